@@ -1,0 +1,42 @@
+"""Engine settings, validated once: a bad value fails at construction with the field's name and limit."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineConfig:
+    """Knobs of the engine (names as in vLLM).
+
+    block_size: token slots per KV block. num_kv_blocks: blocks in the pool (None = sized from memory).
+    max_num_seqs: requests admitted at once (prefilling + running).
+    max_num_batched_tokens: the per-step token budget, decodes and prefill chunks together.
+    max_prefill_chunk: the most prompt tokens one request may prefill in one step.
+    max_model_len: prompt + max_new_tokens limit (None = the model's max_position_embeddings).
+    enable_prefix_caching: share full KV blocks between requests with equal prefixes.
+    """
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_prefill_chunk: int = 1024
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        for name in ("num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name}: must be an integer >= 1 or None, got {value!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching: must be a bool, got {self.enable_prefix_caching!r}")
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(a // -b)

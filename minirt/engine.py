@@ -1,0 +1,363 @@
+"""Chapter 05: the asyncio engine - one thread, one event loop, three collections, continuous batching.
+
+Callers `await engine.generate(...)` (or iterate `engine.stream(...)`); each call submits a `Request`
+whose future the engine resolves. A single background task runs the loop:
+
+    while there is work:
+        batch = scheduler.schedule()              # admit -> prefill chunks -> decodes, within the budget
+        requests, tokens = model_runner.execute(batch)
+        postprocess: append tokens, stop checks, free blocks, resolve futures
+        await asyncio.sleep(0)                    # let callers submit, time out, read streams
+
+New requests join the running batch at the next step instead of waiting for the batch to drain
+(continuous batching; Yu et al. 2022, "Orca", section 3). Everything happens on one thread, so no
+locks: a timeout or a cancellation runs between two steps and simply removes the request.
+
+Failure rules: bad input raises `ValueError` at submission and disturbs nothing; a timeout raises
+`TimeoutError` in that caller only and frees the request's blocks; an exception in a step (a device
+out-of-memory error above all) resolves *every* request with `finish_reason="error"` instead of
+leaving futures pending, and later submissions are refused until the engine is restarted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+from typing import AsyncIterator
+
+import torch
+
+from minirt.config import EngineConfig
+from minirt.kv.block_pool import BlockPool
+from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
+from minirt.kv.prefix_cache import PrefixCache
+from minirt.model.loader import load_model
+from minirt.model_runner import ModelRunner
+from minirt.request import Request, RequestOutput, RequestStatus, StreamDelta
+from minirt.sampling import SamplingParams
+from minirt.scheduler import Scheduler, blocks_needed
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "default_model")
+
+#: Default KV pool on the CPU: at most this many bytes and tokens. On a GPU the pool takes this
+#: fraction of the memory left free after loading the model.
+CPU_KV_CACHE_BYTES = 256 * 2**20
+CPU_KV_CACHE_TOKENS = 65536
+GPU_MEMORY_UTILIZATION = 0.85
+
+
+class EngineFailedError(RuntimeError):
+    """The engine hit an error in a step (for example device out-of-memory) and must be restarted."""
+
+
+def default_num_kv_blocks(config, dtype: torch.dtype, device: torch.device, block_size: int,
+                          max_model_len: int) -> int:
+    """Size the pool from memory: a fixed budget on the CPU, a share of free memory on a GPU.
+
+    Never fewer blocks than one request of `max_model_len` tokens needs.
+    """
+    per_token = kv_bytes_per_token(config, dtype)
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        tokens = int(free * GPU_MEMORY_UTILIZATION) // per_token
+    else:
+        tokens = min(CPU_KV_CACHE_BYTES // per_token, CPU_KV_CACHE_TOKENS)
+    return max(tokens // block_size, blocks_needed(max_model_len, 0, block_size))
+
+
+def eos_token_ids(model, tokenizer) -> frozenset[int]:
+    """EOS ids as `transformers.generate` takes them: the generation config's, else the model config's."""
+    ids = None
+    path = getattr(model, "checkpoint_path", None)
+    if path and os.path.exists(os.path.join(path, "generation_config.json")):
+        from transformers import GenerationConfig
+
+        ids = GenerationConfig.from_pretrained(path).eos_token_id
+    if ids is None:
+        ids = getattr(model.config, "eos_token_id", None)
+    if ids is None and tokenizer is not None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return frozenset()
+    return frozenset([ids] if isinstance(ids, int) else ids)
+
+
+class Engine:
+    """The asyncio inference engine. Same keyword arguments as `minirt.LLM`.
+
+    Use it as an async context manager (`async with engine:` starts and stops the loop), then
+    `await engine.generate(prompt, params)` or `async for delta in engine.stream(prompt, params)`.
+    Raises ValueError (naming the field) for bad settings here and bad requests at submission.
+    """
+
+    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, device=None, dtype=None,
+                 block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, max_prefill_chunk: int = 1024,
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True):
+        self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
+                                   max_prefill_chunk, max_model_len, enable_prefix_caching)
+        self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
+        self.device = self.model.device
+        mc = self.model.config
+        limit = getattr(mc, "max_position_embeddings", None)
+        if max_model_len is None:
+            max_model_len = limit or 2048
+        elif limit is not None and max_model_len > limit:
+            raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings = {limit}")
+        self.config.max_model_len = max_model_len
+        if num_kv_blocks is None:
+            num_kv_blocks = default_num_kv_blocks(mc, self.model.dtype, self.device, block_size, max_model_len)
+            self.config.num_kv_blocks = num_kv_blocks
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
+        kv_cache = allocate_kv_cache(mc, num_kv_blocks, block_size, self.model.dtype, self.device)
+        self.model_runner = ModelRunner(self.model, kv_cache, block_size)
+        self.pool = BlockPool(num_kv_blocks)
+        self.prefix_cache = PrefixCache(self.pool, block_size, enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.pool, self.prefix_cache)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+        self._loop_task: asyncio.Task | None = None
+        self._wakeup: asyncio.Event | None = None
+        self._failure: str | None = None
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ collections (read-only views)
+    @property
+    def waiting_queue(self):
+        return self.scheduler.waiting_queue
+
+    @property
+    def prefilling_requests(self):
+        return self.scheduler.prefilling_requests
+
+    @property
+    def running_requests(self):
+        return self.scheduler.running_requests
+
+    def stats(self) -> dict:
+        """Pool and queue sizes right now, plus prefix-cache counters (tokens)."""
+        return {
+            "num_total_blocks": self.pool.num_blocks,
+            "num_free_blocks": self.pool.num_free_blocks,
+            "num_cached_blocks": len(self.pool.cached),
+            "num_waiting": len(self.waiting_queue),
+            "num_prefilling": len(self.prefilling_requests),
+            "num_running": len(self.running_requests),
+            "num_steps": self.num_steps,
+            "prefix_cache_queries": self.prefix_cache.queries,
+            "prefix_cache_hits": self.prefix_cache.hits,
+            "failed": self._failure,
+        }
+
+    # ------------------------------------------------------------------ lifecycle
+    async def __aenter__(self) -> "Engine":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.shutdown()
+
+    async def start(self) -> None:
+        """Start the loop task on the running event loop (a failed engine is reset and serves again)."""
+        if self._loop_task is not None:
+            raise RuntimeError("engine already started")
+        self._failure = None
+        self._wakeup = asyncio.Event()
+        self._loop_task = asyncio.create_task(self._run_loop(), name="minirt-engine-loop")
+
+    async def shutdown(self) -> None:
+        """Stop the loop; requests still in flight are resolved with finish_reason "abort"."""
+        task, self._loop_task = self._loop_task, None
+        if task is not None:
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        for request in list(self.requests.values()):
+            self._finish(request, "abort", "engine shut down")
+
+    # ------------------------------------------------------------------ submission
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this checkpoint has no tokenizer; pass token ids (a list of int)")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return None, list(prompt)
+        raise ValueError(f"prompt: must be a str or a list of int token ids, got {type(prompt).__name__}")
+
+    def validate(self, prompt, params: SamplingParams | None, request_id: str | None = None
+                 ) -> tuple[str | None, list[int], SamplingParams]:
+        """Check one request against every limit; raises ValueError naming the field. Changes nothing."""
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params: must be a minirt.SamplingParams, got {type(params).__name__}")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt: is empty (needs at least one token)")
+        vocab = self.model.config.vocab_size
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt: token id {ids[bad]} at index {bad} is outside the vocabulary [0, {vocab})")
+        cfg = self.config
+        total = len(ids) + params.max_new_tokens
+        if total > cfg.max_model_len:
+            raise ValueError(f"prompt + max_new_tokens: {len(ids)} + {params.max_new_tokens} = {total} tokens "
+                             f"exceeds max_model_len = {cfg.max_model_len}")
+        need = blocks_needed(len(ids), params.max_new_tokens, cfg.block_size)
+        if need > self.pool.num_blocks:
+            raise ValueError(f"prompt + max_new_tokens: {total} tokens need {need} KV blocks of {cfg.block_size}, "
+                             f"more than the whole pool (num_kv_blocks = {self.pool.num_blocks})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: stop strings need a tokenizer, and this checkpoint has none")
+        if request_id is not None:
+            if not isinstance(request_id, str) or not request_id:
+                raise ValueError(f"request_id: must be a non-empty str, got {request_id!r}")
+            if request_id in self.requests:
+                raise ValueError(f"request_id: {request_id!r} is already in flight (duplicate request id)")
+        return text, ids, params
+
+    def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+               stream: bool = False) -> Request:
+        """Validate and enqueue; returns the Request, whose `future` resolves to its RequestOutput.
+
+        Raises ValueError for bad input, EngineFailedError after a failure, RuntimeError if not started.
+        """
+        if self._loop_task is None:
+            raise RuntimeError("engine is not running: use `async with engine:` (or `await engine.start()`)")
+        if self._failure is not None:
+            raise EngineFailedError(f"engine failed ({self._failure}); restart it before submitting")
+        text, ids, params = self.validate(prompt, params, request_id)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:
+                request_id = f"req-{next(self._ids)}"
+        request = Request(request_id, text, ids, params, self.eos_token_ids, self.tokenizer, self.device)
+        request.future = asyncio.get_running_loop().create_future()
+        if stream:
+            request.stream = asyncio.Queue()
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        self._wakeup.set()
+        return request
+
+    async def generate(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                       timeout: float | None = None) -> RequestOutput:
+        """Submit one request and wait for its output. `timeout` in seconds: on expiry the request is
+        removed (blocks freed) and TimeoutError is raised here only."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout: must be > 0 seconds or None, got {timeout!r}")
+        request = self.submit(prompt, params, request_id)
+        try:
+            return await asyncio.wait_for(asyncio.shield(request.future), timeout)
+        except (asyncio.TimeoutError, TimeoutError):
+            self.abort(request.request_id, "timed out")
+            raise TimeoutError(f"request {request.request_id!r} timed out after {timeout} s") from None
+        except asyncio.CancelledError:
+            self.abort(request.request_id, "cancelled")
+            raise
+
+    async def stream(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
+                     timeout: float | None = None) -> AsyncIterator[StreamDelta]:
+        """Submit one request and yield its new tokens and text as they come; the last delta has
+        `finished=True`. Text that may still become a stop string is held back until settled."""
+        if timeout is not None and not timeout > 0:
+            raise ValueError(f"timeout: must be > 0 seconds or None, got {timeout!r}")
+        request = self.submit(prompt, params, request_id, stream=True)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                left = None if deadline is None else max(deadline - time.monotonic(), 0)
+                try:
+                    delta = await asyncio.wait_for(request.stream.get(), left)
+                except (asyncio.TimeoutError, TimeoutError):
+                    raise TimeoutError(f"request {request.request_id!r} timed out after {timeout} s") from None
+                yield delta
+                if delta.finished:
+                    return
+        finally:
+            if not request.is_finished:
+                self.abort(request.request_id, "stream closed")
+
+    def abort(self, request_id: str, reason: str = "aborted") -> bool:
+        """Remove a request from every collection, free its blocks, resolve it with "abort"."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        self._finish(request, "abort", reason)
+        return True
+
+    # ------------------------------------------------------------------ the loop
+    async def _run_loop(self) -> None:
+        while True:
+            if not self.scheduler.has_work():
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            try:
+                progressed = self.step()
+            except Exception as e:       # noqa: BLE001 - any failure must resolve every future
+                self._fail_all(e)
+                progressed = True
+            if not progressed:           # cannot happen with validated requests; never spin
+                self._wakeup.clear()
+                await self._wakeup.wait()
+            await asyncio.sleep(0)
+
+    def step(self) -> bool:
+        """One engine step: schedule, run the model, postprocess. Returns False if nothing was scheduled."""
+        batch = self.scheduler.schedule()
+        if not batch:
+            return False
+        now = time.perf_counter()
+        for request, _ in batch.items:
+            if request.scheduled_time is None:
+                request.scheduled_time = now
+        sampled_requests, tokens = self.model_runner.execute(batch.items)
+        self.num_steps += 1
+        now = time.perf_counter()
+        for request, n in batch.items:
+            self.scheduler.update_after_step(request, n)
+        for request, token in zip(sampled_requests, tokens):
+            request.append_token(token, now)
+            if request.finish_reason is not None:
+                self._finish(request, request.finish_reason)
+            elif request.stream is not None:
+                delta = request.stream_delta()
+                if delta is not None:
+                    request.stream.put_nowait(delta)
+        return True
+
+    def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
+        if request.is_finished:
+            return
+        self.scheduler.remove(request)
+        request.finish(reason, error)
+        self.requests.pop(request.request_id, None)
+        output = request.output()
+        if request.future is not None and not request.future.done():
+            request.future.set_result(output)
+        if request.stream is not None:
+            request.stream.put_nowait(request.stream_delta())
+
+    def _fail_all(self, exc: BaseException) -> None:
+        if isinstance(exc, torch.OutOfMemoryError):
+            message = f"device out of memory during a step: {str(exc).splitlines()[0] if str(exc) else ''}".strip()
+        else:
+            message = f"{type(exc).__name__} during a step: {exc}"
+        logger.error("minirt engine failed, resolving %d requests with an error: %s", len(self.requests), message)
+        self._failure = message
+        for request in list(self.requests.values()):
+            self._finish(request, "error", message)
+
+    async def restart(self) -> None:
+        """Stop and start again: after a failure, the engine serves new requests (the pool is all free)."""
+        await self.shutdown()
+        await self.start()

@@ -1,0 +1,67 @@
+"""`LLM`: the synchronous front door - a list of prompts in, a list of outputs out (vLLM's `LLM` class).
+
+It owns one `Engine` and, for each `generate` call, runs the engine's event loop until every
+request is done. Inside Jupyter (where a loop is already running) the loop runs on a helper thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import os
+
+from minirt.engine import DEFAULT_MODEL, Engine
+from minirt.request import RequestOutput
+from minirt.sampling import SamplingParams
+
+
+def run_sync(coro):
+    """Run a coroutine to completion from synchronous code, even under a running event loop."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def normalize_prompts(prompts) -> list:
+    """str | list[str] | list[int] | list[list[int]] -> a list of prompts. Raises ValueError otherwise."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, (list, tuple)):
+        if prompts and all(isinstance(t, int) and not isinstance(t, bool) for t in prompts):
+            return [list(prompts)]          # one prompt given as token ids
+        return list(prompts)
+    raise ValueError(f"prompts: must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
+
+
+class LLM:
+    """Offline batch generation. Keyword arguments as `minirt.Engine` (block_size, num_kv_blocks, ...)."""
+
+    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, **engine_kwargs):
+        self.engine = Engine(model, **engine_kwargs)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt; returns one `RequestOutput` per prompt, in prompt order.
+
+        sampling_params: one for all prompts, or a list with one per prompt. Every request is validated
+        before any runs, so a bad one raises ValueError (naming the field) and nothing is submitted.
+        """
+        prompts = normalize_prompts(prompts)
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        for prompt, p in zip(prompts, params):
+            self.engine.validate(prompt, p)
+
+        async def run_all():
+            async with self.engine:
+                return await asyncio.gather(*(self.engine.generate(pr, p) for pr, p in zip(prompts, params)))
+
+        return list(run_sync(run_all()))

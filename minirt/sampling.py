@@ -1,0 +1,122 @@
+"""Sampling parameters and the batched sampler: greedy, temperature, top-k, top-p, per-request seeds.
+
+Order of the filters as in `transformers`' logits warpers and vLLM's sampler: divide by the
+temperature, keep the top-k logits, then keep the smallest set of tokens whose probability mass
+reaches top-p (nucleus sampling; Holtzman et al. 2020, "The Curious Case of Neural Text
+Degeneration", section 3.1). The most likely token is always kept. Temperature 0 means greedy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop.
+
+    max_new_tokens: generated tokens at most (>= 1). temperature: 0 = greedy, else softmax(logits / T).
+    top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all. seed: makes this
+    request's samples reproducible whatever else is in the batch. stop: strings that end generation
+    (matched on the decoded text and cut from it). stop_token_ids: ids that end generation (kept in
+    `token_ids`). ignore_eos: keep going past the tokenizer's EOS.
+    Raises ValueError naming the field for any value out of range or of the wrong type.
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] | str = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens: must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k: must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop: must be a string or a sequence of non-empty strings, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
+        ids = self.stop_token_ids
+        if not isinstance(ids, (tuple, list)) or not all(_is_int(i) and i >= 0 for i in ids):
+            raise ValueError(f"stop_token_ids: must be a sequence of integers >= 0, got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos: must be a bool, got {self.ignore_eos!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Mask to -inf every logit outside top-k, then outside the top-p nucleus.
+
+    logits `[B, V]` float32 (already divided by the temperature); top_k `[B]` int64 (0 = off);
+    top_p `[B]` float32. Returns a new `[B, V]` tensor.
+    """
+    V = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(V, device=logits.device)
+    drop = (top_k[:, None] > 0) & (ranks[None, :] >= top_k[:, None])
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs           # mass of strictly more likely tokens
+    drop = drop | (mass_before >= top_p[:, None])        # rank 0 has mass_before 0 < top_p: always kept
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def probs_after_filters(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """The distribution one row is sampled from: logits `[V]` -> probabilities `[V]` (one-hot if greedy)."""
+    if temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(torch.float32)
+    row = (logits.float() / temperature)[None]
+    dev = logits.device
+    filtered = filter_logits(row, torch.tensor([top_k], device=dev), torch.tensor([top_p], device=dev))
+    return filtered.softmax(-1)[0]
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Pick one token per row. logits `[B, V]` float32; temperature/top_p `[B]` float32; top_k `[B]` int64.
+
+    Rows with temperature 0 take the argmax. The others are drawn from the filtered softmax; a row
+    with its own generator (a seeded request) draws from it, so its tokens do not depend on the
+    batch around it. Returns `[B]` int64 on the logits' device.
+    """
+    next_ids = logits.argmax(dim=-1)
+    sampled = temperature > 0
+    if not bool(sampled.any()):
+        return next_ids
+    rows = sampled.nonzero().flatten()
+    scaled = logits[rows] / temperature[rows, None]
+    probs = filter_logits(scaled, top_k[rows], top_p[rows]).softmax(dim=-1)
+    picks = torch.empty(len(rows), dtype=torch.long, device=logits.device)
+    row_list = rows.tolist()
+    unseeded = [j for j, r in enumerate(row_list) if generators[r] is None]
+    if unseeded:
+        picks[unseeded] = torch.multinomial(probs[unseeded], 1).flatten()
+    for j, r in enumerate(row_list):
+        if generators[r] is not None:
+            picks[j] = torch.multinomial(probs[j], 1, generator=generators[r])[0]
+    next_ids[rows] = picks
+    return next_ids

@@ -1,0 +1,148 @@
+"""Chapters 05-06: the scheduler - who gets admitted, and how each step's token budget is spent.
+
+It owns the three collections and decides; the model runner computes; the block pool owns the
+blocks (nano-vllm's split). Each step:
+
+1. **decode**: every running request gets one token, oldest first - decodes go first so that
+   running requests never stall behind a long prompt (Sarathi-Serve's "stall-free batching",
+   Agrawal et al. 2024, section 4.2; vLLM V1 schedules running requests first too);
+2. **prefill**: admitted requests continue their prompts in chunks of at most `max_prefill_chunk`
+   tokens (chunked prefill, Sarathi-Serve section 4.1);
+3. **admit**: while there are seats (`max_num_seqs`), budget and blocks, the head of the waiting
+   queue is moved to prefilling and gets its first chunk.
+
+All of it stays within `max_num_batched_tokens` tokens. Admission is first come, first served and
+reserves blocks for the request's whole `prompt + max_new_tokens`, so a running request can never
+run out of blocks; a request that does not fit now waits at the head of the queue (later ones do not
+overtake it and starve it) until others finish. Every request fits in the empty pool (checked at
+submission), so every request is admitted eventually.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from minirt.config import EngineConfig, cdiv
+from minirt.kv.block_pool import BlockPool
+from minirt.kv.prefix_cache import PrefixCache
+from minirt.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledBatch:
+    """One step's work: `(request, num_new_tokens)` pairs, decodes first, then prefill chunks.
+
+    Each request computes tokens `token_ids[num_computed_tokens : num_computed_tokens + n]`.
+    """
+
+    items: list[tuple[Request, int]] = field(default_factory=list)
+    num_decodes: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.items)
+
+    def __bool__(self) -> bool:
+        return bool(self.items)
+
+
+def blocks_needed(num_prompt_tokens: int, max_new_tokens: int, block_size: int) -> int:
+    """KV blocks reserved for a request: enough for `prompt + max_new_tokens` tokens."""
+    return cdiv(num_prompt_tokens + max_new_tokens, block_size)
+
+
+def split_budget(budget: int, num_decodes: int, remaining_prompts: list[int], max_prefill_chunk: int
+                 ) -> tuple[int, list[int]]:
+    """The token-budget rule on its own: decodes first (1 token each), then prompt chunks in order.
+
+    remaining_prompts: prompt tokens still to compute, per prefilling request, in admission order.
+    Returns (decodes scheduled, chunk per prefilling request); chunks are `min(remaining, cap, budget left)`.
+    """
+    decodes = min(num_decodes, budget)
+    left = budget - decodes
+    chunks = []
+    for remaining in remaining_prompts:
+        chunk = min(remaining, max_prefill_chunk, left)
+        chunks.append(chunk)
+        left -= chunk
+    return decodes, chunks
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, pool: BlockPool, prefix_cache: PrefixCache):
+        self.config = config
+        self.pool = pool
+        self.prefix_cache = prefix_cache
+        self.waiting_queue: deque[Request] = deque()
+        self.prefilling_requests: list[Request] = []
+        self.running_requests: list[Request] = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting_queue or self.prefilling_requests or self.running_requests)
+
+    def add(self, request: Request) -> None:
+        self.waiting_queue.append(request)
+
+    # ------------------------------------------------------------------ admission
+    def try_allocate(self, request: Request) -> bool:
+        """Give a request its block table (prefix-cache hits first, then fresh blocks), or return False."""
+        B = self.config.block_size
+        hits = self.prefix_cache.match(request.prompt_token_ids)
+        total = blocks_needed(request.num_prompt_tokens, request.params.max_new_tokens, B)
+        revived = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)   # hits now sitting in the free list
+        if total - len(hits) > self.pool.num_free_blocks - revived:
+            return False
+        for b in hits:
+            self.pool.acquire(b)
+        request.block_table = hits + [self.pool.allocate() for _ in range(total - len(hits))]
+        request.num_computed_tokens = request.num_cached_tokens = len(hits) * B
+        request.num_registered_blocks = len(hits)
+        self.prefix_cache.record(request.num_prompt_tokens, request.num_cached_tokens)
+        return True
+
+    # ------------------------------------------------------------------ one step
+    def schedule(self) -> ScheduledBatch:
+        """Decide this step's batch (see the module docstring). Moves admitted requests to prefilling."""
+        cfg = self.config
+        batch = ScheduledBatch()
+        decodes, chunks = split_budget(
+            cfg.max_num_batched_tokens, len(self.running_requests),
+            [r.num_prompt_tokens - r.num_computed_tokens for r in self.prefilling_requests], cfg.max_prefill_chunk)
+        batch.items += [(r, 1) for r in self.running_requests[:decodes]]
+        batch.num_decodes = decodes
+        batch.items += [(r, n) for r, n in zip(self.prefilling_requests, chunks) if n > 0]
+        budget = cfg.max_num_batched_tokens - batch.num_tokens
+
+        while (self.waiting_queue and budget > 0
+               and len(self.prefilling_requests) + len(self.running_requests) < cfg.max_num_seqs):
+            request = self.waiting_queue[0]
+            if not self.try_allocate(request):
+                break                                    # head-of-line waits; nobody overtakes it
+            self.waiting_queue.popleft()
+            request.status = RequestStatus.PREFILLING
+            self.prefilling_requests.append(request)
+            n = min(request.num_prompt_tokens - request.num_computed_tokens, cfg.max_prefill_chunk, budget)
+            batch.items.append((request, n))
+            budget -= n
+        return batch
+
+    def update_after_step(self, request: Request, num_new_tokens: int) -> None:
+        """Account for computed tokens; a request whose prompt is done moves prefilling -> running."""
+        request.num_computed_tokens += num_new_tokens
+        request.num_registered_blocks = self.prefix_cache.register(
+            request.token_ids, request.block_table, request.num_computed_tokens, request.num_registered_blocks)
+        if request.status == RequestStatus.PREFILLING and request.num_computed_tokens == request.num_prompt_tokens:
+            self.prefilling_requests.remove(request)
+            request.status = RequestStatus.RUNNING
+            self.running_requests.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of whichever collection holds it and free its blocks."""
+        if request.status == RequestStatus.WAITING and request in self.waiting_queue:
+            self.waiting_queue.remove(request)
+        elif request.status == RequestStatus.PREFILLING and request in self.prefilling_requests:
+            self.prefilling_requests.remove(request)
+        elif request.status == RequestStatus.RUNNING and request in self.running_requests:
+            self.running_requests.remove(request)
+        self.pool.release_all(request.block_table)
