@@ -149,6 +149,7 @@ class Engine:
             "num_prefilling": len(self.prefilling_requests),
             "num_running": len(self.running_requests),
             "num_steps": self.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
             "prefix_cache_queries": self.prefix_cache.queries,
             "prefix_cache_hits": self.prefix_cache.hits,
             "failed": self._failure,

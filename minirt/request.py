@@ -21,6 +21,7 @@ from minirt.sampling import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"          # in waiting_queue, no blocks
     PREFILLING = "prefilling"    # admitted: blocks held, prompt K/V being computed (maybe in chunks)
+                                 # (after a preemption, the generated tokens are prefilled too)
     RUNNING = "running"          # prompt done, one new token per step (decode)
     FINISHED = "finished"
 
@@ -93,6 +94,8 @@ class Request:
         self.num_computed_tokens = 0        # tokens whose K/V are in the cache
         self.num_cached_tokens = 0          # of those, served by the prefix cache
         self.num_registered_blocks = 0      # full blocks already hashed into the prefix cache
+        self.num_prefill_tokens = len(prompt_token_ids)   # tokens to prefill once admitted (+ output if preempted)
+        self.num_preemptions = 0
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
         self.tokenizer = tokenizer
         self.text = ""

@@ -11,11 +11,16 @@ blocks (nano-vllm's split). Each step:
 3. **admit**: while there are seats (`max_num_seqs`), budget and blocks, the head of the waiting
    queue is moved to prefilling and gets its first chunk.
 
-All of it stays within `max_num_batched_tokens` tokens. Admission is first come, first served and
-reserves blocks for the request's whole `prompt + max_new_tokens`, so a running request can never
-run out of blocks; a request that does not fit now waits at the head of the queue (later ones do not
-overtake it and starve it) until others finish. Every request fits in the empty pool (checked at
-submission), so every request is admitted eventually.
+All of it stays within `max_num_batched_tokens` tokens.
+
+Blocks: admission reserves only what the prompt needs; a decode takes a new block when its last
+one is full. When none is free, the scheduler **preempts by recompute** (vLLM V1; Kwon et al. 2023,
+section 4.5): the newest admitted request gives all its blocks back and returns to the *head* of the
+waiting queue with the tokens it has generated; when readmitted, it prefills prompt + output again
+(full blocks it left in the prefix cache are hits) and carries on exactly where it stopped.
+Admission is first come, first served: a request that does not fit waits at the head of the queue
+(later ones do not overtake it and starve it). Every request fits in the empty pool (checked at
+submission), and the oldest running request can always preempt the others, so every request finishes.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ class ScheduledBatch:
 
 
 def blocks_needed(num_prompt_tokens: int, max_new_tokens: int, block_size: int) -> int:
-    """KV blocks reserved for a request: enough for `prompt + max_new_tokens` tokens."""
+    """KV blocks a request holds at most: enough for `prompt + max_new_tokens` tokens."""
     return cdiv(num_prompt_tokens + max_new_tokens, block_size)
 
 
@@ -77,6 +82,9 @@ class Scheduler:
         self.waiting_queue: deque[Request] = deque()
         self.prefilling_requests: list[Request] = []
         self.running_requests: list[Request] = []
+        self.num_preemptions = 0
+        # vLLM's watermark: admission leaves ~1% of the pool free for running decodes, to avoid thrashing.
+        self.watermark_blocks = pool.num_blocks // 100
 
     def has_work(self) -> bool:
         return bool(self.waiting_queue or self.prefilling_requests or self.running_requests)
@@ -86,31 +94,67 @@ class Scheduler:
 
     # ------------------------------------------------------------------ admission
     def try_allocate(self, request: Request) -> bool:
-        """Give a request its block table (prefix-cache hits first, then fresh blocks), or return False."""
+        """Give a request blocks for all its known tokens (prefix-cache hits first), or return False.
+
+        Known tokens are the prompt, plus the output so far for a preempted request: all are prefilled.
+        Outside an empty engine, `watermark` blocks stay free so running requests can still decode.
+        """
         B = self.config.block_size
-        hits = self.prefix_cache.match(request.prompt_token_ids)
-        total = blocks_needed(request.num_prompt_tokens, request.params.max_new_tokens, B)
+        hits = self.prefix_cache.match(request.token_ids)
+        total = cdiv(len(request.token_ids), B)
         revived = sum(1 for b in hits if self.pool.blocks[b].ref_count == 0)   # hits now sitting in the free list
-        if total - len(hits) > self.pool.num_free_blocks - revived:
+        busy = self.prefilling_requests or self.running_requests
+        watermark = self.watermark_blocks if busy else 0
+        if total - len(hits) > self.pool.num_free_blocks - revived - watermark:
             return False
         for b in hits:
             self.pool.acquire(b)
         request.block_table = hits + [self.pool.allocate() for _ in range(total - len(hits))]
         request.num_computed_tokens = request.num_cached_tokens = len(hits) * B
         request.num_registered_blocks = len(hits)
-        self.prefix_cache.record(request.num_prompt_tokens, request.num_cached_tokens)
+        request.num_prefill_tokens = len(request.token_ids)
+        self.prefix_cache.record(len(request.token_ids), request.num_cached_tokens)
         return True
+
+    def ensure_decode_slot(self, request: Request) -> bool:
+        """Make sure the block table has a slot for the token this decode writes, preempting the newest
+        requests if the pool is empty. Returns False if `request` itself had to be preempted."""
+        need = cdiv(request.num_computed_tokens + 1, self.config.block_size)
+        while len(request.block_table) < need:
+            if self.pool.num_free_blocks > 0:
+                request.block_table.append(self.pool.allocate())
+                continue
+            victim = self.prefilling_requests[-1] if self.prefilling_requests else self.running_requests[-1]
+            self.preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def preempt(self, request: Request) -> None:
+        """Preemption by recompute: free all blocks, back to the head of the waiting queue, tokens kept."""
+        self.remove(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_registered_blocks = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting_queue.appendleft(request)
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledBatch:
         """Decide this step's batch (see the module docstring). Moves admitted requests to prefilling."""
         cfg = self.config
         batch = ScheduledBatch()
-        decodes, chunks = split_budget(
-            cfg.max_num_batched_tokens, len(self.running_requests),
-            [r.num_prompt_tokens - r.num_computed_tokens for r in self.prefilling_requests], cfg.max_prefill_chunk)
-        batch.items += [(r, 1) for r in self.running_requests[:decodes]]
-        batch.num_decodes = decodes
+        i = 0
+        while i < len(self.running_requests) and batch.num_decodes < cfg.max_num_batched_tokens:
+            request = self.running_requests[i]
+            if self.ensure_decode_slot(request):     # may preempt newer requests, or this one
+                batch.items.append((request, 1))
+                batch.num_decodes += 1
+                i += 1
+        _, chunks = split_budget(
+            cfg.max_num_batched_tokens, batch.num_decodes,
+            [r.num_prefill_tokens - r.num_computed_tokens for r in self.prefilling_requests], cfg.max_prefill_chunk)
         batch.items += [(r, n) for r, n in zip(self.prefilling_requests, chunks) if n > 0]
         budget = cfg.max_num_batched_tokens - batch.num_tokens
 
@@ -122,7 +166,7 @@ class Scheduler:
             self.waiting_queue.popleft()
             request.status = RequestStatus.PREFILLING
             self.prefilling_requests.append(request)
-            n = min(request.num_prompt_tokens - request.num_computed_tokens, cfg.max_prefill_chunk, budget)
+            n = min(request.num_prefill_tokens - request.num_computed_tokens, cfg.max_prefill_chunk, budget)
             batch.items.append((request, n))
             budget -= n
         return batch
@@ -132,7 +176,7 @@ class Scheduler:
         request.num_computed_tokens += num_new_tokens
         request.num_registered_blocks = self.prefix_cache.register(
             request.token_ids, request.block_table, request.num_computed_tokens, request.num_registered_blocks)
-        if request.status == RequestStatus.PREFILLING and request.num_computed_tokens == request.num_prompt_tokens:
+        if request.status == RequestStatus.PREFILLING and request.num_computed_tokens == request.num_prefill_tokens:
             self.prefilling_requests.remove(request)
             request.status = RequestStatus.RUNNING
             self.running_requests.append(request)
@@ -146,3 +190,26 @@ class Scheduler:
         elif request.status == RequestStatus.RUNNING and request in self.running_requests:
             self.running_requests.remove(request)
         self.pool.release_all(request.block_table)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (used by tests and chapter checks).
+
+        Waiting requests hold no blocks; each block's reference count equals the number of block tables
+        holding it; a block is in the free list iff nobody holds it; every cache entry points at a block
+        that carries that hash; each admitted request has blocks for the tokens it has computed.
+        """
+        holders: dict[int, int] = {}
+        for r in self.waiting_queue:
+            assert not r.block_table, f"waiting request {r.request_id} holds blocks {r.block_table}"
+        for r in [*self.prefilling_requests, *self.running_requests]:
+            assert len(r.block_table) * self.config.block_size >= r.num_computed_tokens, \
+                f"request {r.request_id}: {r.num_computed_tokens} computed tokens but {len(r.block_table)} blocks"
+            for b in r.block_table:
+                holders[b] = holders.get(b, 0) + 1
+        for block in self.pool.blocks:
+            held = holders.get(block.block_id, 0)
+            assert block.ref_count == held, f"block {block.block_id}: ref_count {block.ref_count}, held by {held}"
+            assert (block.block_id in self.pool.free) == (held == 0), f"block {block.block_id}: free-list mismatch"
+        for h, b in self.pool.cached.items():
+            assert self.pool.blocks[b].block_hash == h, f"cache entry for block {b} has a stale hash"
+
