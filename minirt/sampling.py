@@ -80,7 +80,9 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs           # mass of strictly more likely tokens
-    drop = drop | (mass_before >= top_p[:, None])        # rank 0 has mass_before 0 < top_p: always kept
+    # Rank 0 has mass_before 0 < top_p: always kept. top_p = 1 filters nothing (the float32 cumsum
+    # can reach 1.0 before the tail, so it must not be compared).
+    drop = drop | ((top_p[:, None] < 1) & (mass_before >= top_p[:, None]))
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
