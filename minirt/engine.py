@@ -56,10 +56,11 @@ class EngineFailedError(RuntimeError):
 
 
 def default_num_kv_blocks(config, dtype: torch.dtype, device: torch.device, block_size: int,
-                          max_model_len: int) -> int:
+                          max_model_len: int, max_num_seqs: int) -> int:
     """Size the pool from memory: a fixed budget on the CPU, a share of free memory on a GPU.
 
-    Never fewer blocks than one request of `max_model_len` tokens needs.
+    Never more than every seat at full length needs (`max_num_seqs * max_model_len` tokens), never
+    fewer blocks than one request of `max_model_len` tokens needs.
     """
     per_token = kv_bytes_per_token(config, dtype)
     if device.type == "cuda":
@@ -67,6 +68,7 @@ def default_num_kv_blocks(config, dtype: torch.dtype, device: torch.device, bloc
         tokens = int(free * GPU_MEMORY_UTILIZATION) // per_token
     else:
         tokens = min(CPU_KV_CACHE_BYTES // per_token, CPU_KV_CACHE_TOKENS)
+    tokens = min(tokens, max_num_seqs * max_model_len)
     return max(tokens // block_size, blocks_needed(max_model_len, 0, block_size))
 
 
@@ -111,7 +113,8 @@ class Engine:
             raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings = {limit}")
         self.config.max_model_len = max_model_len
         if num_kv_blocks is None:
-            num_kv_blocks = default_num_kv_blocks(mc, self.model.dtype, self.device, block_size, max_model_len)
+            num_kv_blocks = default_num_kv_blocks(mc, self.model.dtype, self.device, block_size, max_model_len,
+                                                  max_num_seqs)
             self.config.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         kv_cache = allocate_kv_cache(mc, num_kv_blocks, block_size, self.model.dtype, self.device)
