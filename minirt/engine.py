@@ -128,6 +128,9 @@ class Engine:
         self._wakeup: asyncio.Event | None = None
         self._failure: str | None = None
         self.num_steps = 0
+        #: Called as `callback(engine, batch)` after each step's bookkeeping, before the loop yields:
+        #: the place to record timelines or check invariants (chapters 05-06, the load tests).
+        self.step_callbacks: list = []
 
     # ------------------------------------------------------------------ collections (read-only views)
     @property
@@ -337,6 +340,8 @@ class Engine:
                 delta = request.stream_delta()
                 if delta is not None:
                     request.stream.put_nowait(delta)
+        for callback in self.step_callbacks:
+            callback(self, batch)
         return True
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:

@@ -35,6 +35,8 @@ class RequestMetrics:
     tpot_s: time per output token, the mean gap between consecutive output tokens,
             `(t_last - t_first) / (n - 1)`; None when only one token was generated.
     e2e_s: arrival -> finished.
+    token_times_s: arrival -> each output token, one entry per token (their gaps are the inter-token
+                   latencies, whose maximum shows a decode stalled behind a long prefill).
     None where the request never got that far (for example aborted while waiting).
     """
 
@@ -42,6 +44,7 @@ class RequestMetrics:
     ttft_s: float | None = None
     tpot_s: float | None = None
     e2e_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -113,6 +116,7 @@ class Request:
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
         self.last_token_time: float | None = None
+        self.token_times: list[float] = []
         self.finish_time: float | None = None
 
     # ------------------------------------------------------------------ views
@@ -139,6 +143,7 @@ class Request:
         if self.first_token_time is None:
             self.first_token_time = now
         self.last_token_time = now
+        self.token_times.append(now)
         p = self.params
         if token_id in self.eos_token_ids or token_id in p.stop_token_ids:
             self.finish_reason = "stop"
@@ -182,6 +187,7 @@ class Request:
             ttft_s=None if self.first_token_time is None else self.first_token_time - a,
             tpot_s=(self.last_token_time - self.first_token_time) / (n - 1) if n > 1 and self.first_token_time else None,
             e2e_s=None if self.finish_time is None else self.finish_time - a,
+            token_times_s=[t - a for t in self.token_times],
         )
 
     def output(self) -> RequestOutput:

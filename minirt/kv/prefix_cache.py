@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from minirt.kv.block_pool import BlockPool
 
+#: The parent hash of the first block. A fixed integer (not `hash(None)`, which varies between processes
+#: on Python < 3.12) keeps the chain reproducible: ints and tuples of ints hash the same in every run.
+ROOT_HASH = 0
+
 
 def block_hashes(token_ids: list[int], block_size: int, num_blocks: int | None = None) -> list[int]:
     """The chained hashes of the first `num_blocks` full blocks of `token_ids` (all full blocks if None)."""
     n = len(token_ids) // block_size if num_blocks is None else num_blocks
-    hashes, parent = [], None
+    hashes, parent = [], ROOT_HASH
     for i in range(n):
         parent = hash((parent, tuple(token_ids[i * block_size:(i + 1) * block_size])))
         hashes.append(parent)
@@ -72,7 +76,7 @@ class PrefixCache:
         full = num_computed_tokens // B
         if full <= num_registered:
             return num_registered
-        parent = self.pool.blocks[block_table[num_registered - 1]].block_hash if num_registered else None
+        parent = self.pool.blocks[block_table[num_registered - 1]].block_hash if num_registered else ROOT_HASH
         for i in range(num_registered, full):
             tokens = tuple(token_ids[i * B:(i + 1) * B])
             parent = hash((parent, tokens))
