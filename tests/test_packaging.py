@@ -1,0 +1,139 @@
+"""pyproject.toml and environment.yml list the same packages; package data ships."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+OPTIONAL_ONLY = {"flash-attn"}  # GPU-only extra: listed in environment.yml as a comment, not installed
+
+
+def _norm(req: str) -> str:
+    name = re.split(r"[\s<>=!~;\[@]", req.strip(), maxsplit=1)[0]
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _pyproject():
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())
+
+
+def _env_yml_pip_packages(text: str) -> tuple[set[str], set[str], set[str]]:
+    """Line-based read of the simple environment.yml: (conda deps, pip deps, commented-out pip deps)."""
+    conda, pip, commented = set(), set(), set()
+    section = None
+    pip_indent = None
+    for raw in text.splitlines():
+        line = raw.split("#", 1)[0].rstrip() if not raw.lstrip().startswith("#") else ""
+        stripped = raw.strip()
+        if not raw.startswith(" ") and stripped.endswith(":"):
+            section = stripped[:-1]
+            pip_indent = None
+            continue
+        if section != "dependencies":
+            continue
+        if stripped.startswith("# - ") and pip_indent is not None:
+            commented.add(_norm(stripped[4:].split("#")[0]))
+            continue
+        if not line.strip():
+            continue
+        indent = len(line) - len(line.lstrip())
+        item = line.strip()
+        if item == "- pip:":
+            pip_indent = indent
+            continue
+        if not item.startswith("- "):
+            continue
+        name = item[2:].strip()
+        if pip_indent is not None and indent > pip_indent:
+            pip.add(_norm(name))
+        else:
+            pip_indent = None
+            conda.add(name)
+    return conda, pip, commented
+
+
+def test_pyproject_metadata():
+    proj = _pyproject()["project"]
+    assert proj["name"] == "minirt"
+    assert ">=3.10" in proj["requires-python"]
+    deps = {_norm(d) for d in proj["dependencies"]}
+    assert deps == {"torch", "transformers", "safetensors", "tokenizers", "huggingface-hub", "tqdm"}
+    extras = proj["optional-dependencies"]
+    assert {_norm(d) for d in extras["dev"]} >= {"pytest", "hypothesis"}
+    assert {_norm(d) for d in extras["notebooks"]} >= {"jupyterlab", "ipywidgets", "matplotlib", "nbval",
+                                                      "nbclient", "nbformat"}
+    assert {_norm(d) for d in extras["flash"]} == {"flash-attn"}
+    torch_req = next(d for d in proj["dependencies"] if _norm(d) == "torch")
+    assert ">=2.4" in torch_req.replace(" ", "")
+
+
+def test_environment_yml_matches_pyproject():
+    proj = _pyproject()["project"]
+    want = {_norm(d) for d in proj["dependencies"]}
+    for extra, reqs in proj["optional-dependencies"].items():
+        want |= {_norm(d) for d in reqs}
+    conda, pip, commented = _env_yml_pip_packages((ROOT / "environment.yml").read_text())
+    assert any(c.replace(" ", "").startswith("python=3.11") for c in conda), conda
+    assert "pip" in conda
+    assert pip | commented == want, f"only in pyproject: {want - pip - commented}; only in env: {pip - want}"
+    assert commented <= OPTIONAL_ONLY
+    assert pip == want - OPTIONAL_ONLY
+
+
+def test_package_data_declared():
+    data = _pyproject()["tool"]["setuptools"]["package-data"]["minirt"]
+    assert "*.json" in data
+    assert any(p.startswith("default_model/") for p in data)
+
+
+def test_ci_script_runs_readme_test_command():
+    ci = (ROOT / ".ci" / "run").read_text()
+    readme = (ROOT / "README.md").read_text()
+    assert "set -euo pipefail" in ci
+    assert "pip install torch==2.13.0" in ci
+    assert 'pip install -e ".[dev,notebooks]"' in ci
+    cmd = "python -m pytest -q tests"
+    assert cmd in readme and cmd in ci
+    assert ci.index("torch==2.13.0") < ci.index('pip install -e ".[dev,notebooks]"')
+
+
+def test_wheel_ships_package_data(tmp_path):
+    """Build a wheel from a copy of the tree: every file of minirt/default_model/ and minirt/*.json ships."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    try:  # setuptools >= 70.1 builds wheels without the `wheel` package: no network needed
+        import setuptools
+        offline = tuple(int(x) for x in setuptools.__version__.split(".")[:2]) >= (70, 1)
+    except ImportError:
+        offline = False
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    shutil.copytree(ROOT / "minirt", src / "minirt", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(src)]
+    if offline:
+        cmd.insert(5, "--no-build-isolation")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0 and not offline and any(
+            s in proc.stderr for s in ("NewConnectionError", "Could not find a version", "No matching distribution")):
+        pytest.skip("no network for an isolated wheel build, and setuptools here is too old to build offline")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("minirt-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    pkg = ROOT / "minirt"
+    want = {f"minirt/{p.relative_to(pkg).as_posix()}" for p in pkg.rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")
+            and (p.suffix in (".py", ".json") or "default_model" in p.parts)}
+    missing = sorted(want - names)
+    assert not missing, f"not in the wheel: {missing[:10]}"
+    assert any(n.endswith("entry_points.txt") for n in names)
