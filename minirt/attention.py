@@ -112,7 +112,6 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     """
     device = q.device
     block_size = k_cache.shape[1]
-    num_seqs = meta.context_lens.shape[0]
     q_lens = meta.query_start_loc[1:] - meta.query_start_loc[:-1]
 
     # Gather K/V: logical position j of sequence s lives in slot block_tables[s, j // B] * B + j % B.

@@ -36,7 +36,7 @@ from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
 from minirt.model.loader import load_model
 from minirt.model_runner import ModelRunner
-from minirt.request import Request, RequestOutput, RequestStatus, StreamDelta
+from minirt.request import Request, RequestOutput, StreamDelta
 from minirt.sampling import SamplingParams
 from minirt.scheduler import Scheduler, blocks_needed
 
