@@ -1,0 +1,1000 @@
+"""Checkers of the graded exercise tasks: the student's function against the package's reference.
+
+Each `exNN_<task>(fn)` runs `fn` and the reference function of `minirt` on the same device (CUDA when
+available, else the CPU) over a fixed list of seeded cases - edge cases first (empty input, exactly one
+block, the block boundary B-1 / B / B+1, ...), then random ones - and compares the results: exactly for
+integers, lists and strings, with a dtype-aware tolerance for floating tensors. It prints exactly one line,
+
+    PASS ex03.slot_mapping (14/14 cases)
+
+and nothing else, whatever the device, so that nbval can compare the cell's output with the stored one.
+On the first mismatch it raises `CheckFailed` (an AssertionError) whose message names the case, its
+inputs, the expected value and what came back. A function that still raises NotImplementedError fails
+with "task not implemented yet". What the student's function prints is captured (and shown only in a
+failure message), warnings are ignored and library logging is silenced while a check runs.
+
+Idea as in tiny-llm's per-lesson tests (skyzh/tiny-llm): one reference, one check per task, run locally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import logging
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+MAX_REPR = 300          # characters of a value shown in a failure message
+# (atol, rtol) per floating dtype: float32 allows for a different summation order, half precision for
+# a different rounding of intermediate results (a naive softmax in bf16 against SDPA's fp32 accumulation).
+TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-7, 1e-7),
+              torch.float16: (2e-2, 2e-2), torch.bfloat16: (4e-2, 4e-2)}
+
+
+class CheckFailed(AssertionError):
+    """A graded task's function disagrees with the reference (or is not implemented yet)."""
+
+
+def device() -> torch.device:
+    """Where checks run: CUDA when available, else the CPU (student and reference on the same one)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ============================================================================== running and comparing
+
+
+@dataclass
+class Case:
+    """One check case. `make()` builds fresh inputs (each function gets its own copy); `show` describes them."""
+
+    name: str
+    make: Callable[[], Any]
+    show: str
+
+
+class _NotImplemented(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _quiet():
+    """No warnings, no library logging while a check runs (the PASS line must be the only output)."""
+    previous = logging.root.manager.disable
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        logging.disable(logging.CRITICAL)
+        try:
+            yield
+        finally:
+            logging.disable(previous)
+
+
+def _short(x: Any, limit: int = MAX_REPR) -> str:
+    if isinstance(x, torch.Tensor):
+        with torch.no_grad():
+            vals = x.detach().cpu()
+            text = repr(vals.tolist() if vals.numel() <= 64 else vals.flatten()[:16].tolist())
+        s = f"tensor(shape={list(x.shape)}, dtype={x.dtype}, device={x.device.type}, values={text})"
+    else:
+        s = repr(x)
+    return s if len(s) <= limit else s[:limit] + f"... ({len(s)} chars)"
+
+
+def _diff(expected: Any, got: Any, path: str = "result") -> str | None:
+    """None when equal (floating tensors within TOLERANCES), else the first difference in words."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(got, torch.Tensor):
+            return f"{path}: expected a torch.Tensor, got {type(got).__name__}: {_short(got)}"
+        if tuple(got.shape) != tuple(expected.shape):
+            return f"{path}: expected shape {list(expected.shape)}, got shape {list(got.shape)}"
+        if got.dtype != expected.dtype:
+            return f"{path}: expected dtype {expected.dtype}, got {got.dtype}"
+        if got.device != expected.device:
+            return f"{path}: expected a tensor on {expected.device}, got one on {got.device}"
+        e, g = expected.detach(), got.detach()
+        if e.dtype.is_floating_point:
+            atol, rtol = TOLERANCES.get(e.dtype, (1e-5, 1e-5))
+            ok = torch.isclose(g, e, atol=atol, rtol=rtol, equal_nan=True)
+        else:
+            ok = g == e
+        if bool(ok.all()):
+            return None
+        bad = (~ok).nonzero()[0].tolist()
+        where = tuple(bad)
+        msg = (f"{path}: {int((~ok).sum())} of {e.numel()} elements differ; first at index {list(where)}: "
+               f"expected {e[where].item()!r}, got {g[where].item()!r}")
+        if e.dtype.is_floating_point:
+            err = (g.float() - e.float()).abs().nan_to_num(float("inf")).max().item()
+            msg += f" (max abs error {err:.3g}; tolerance atol={atol:g}, rtol={rtol:g} for {e.dtype})"
+        return msg
+    if isinstance(expected, dict):
+        if not isinstance(got, dict) or set(got) != set(expected):
+            if isinstance(got, dict) and set(got) - set(expected):
+                extra = {k: got[k] for k in got if k not in expected}
+                return f"{path}: expected {_short(expected)}\n  got {_short(extra)}"
+            return f"{path}: expected {_short(expected)}, got {_short(got)}"
+        for k in expected:
+            d = _diff(expected[k], got[k], f"{path}[{k!r}]")
+            if d:
+                return d
+        return None
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(got, (list, tuple)):
+            return (f"{path}: expected a {type(expected).__name__} {_short(expected)}, "
+                    f"got {type(got).__name__}: {_short(got)}")
+        for i, (e, g) in enumerate(zip(expected, got)):
+            d = _diff(e, g, f"{path}[{i}]")
+            if d:
+                return d if (isinstance(e, (list, tuple, dict, torch.Tensor))) else (
+                    f"{path}[{i}]: expected {_short(e)}, got {_short(g)}\n  whole value expected: {_short(expected)}"
+                    f"\n  whole value got:      {_short(got)}")
+        if len(got) != len(expected):
+            i = min(len(got), len(expected))
+            extra = f"; first extra item: {_short(expected[i] if len(expected) > i else got[i])}"
+            return (f"{path}: expected length {len(expected)}, got length {len(got)} (the first {i} items agree"
+                    f"{extra})\n  whole value expected: {_short(expected)}\n  whole value got:      {_short(got)}")
+        return None
+    if isinstance(got, torch.Tensor):
+        return f"{path}: expected {type(expected).__name__} {_short(expected)}, got a tensor {_short(got)}"
+    if isinstance(expected, bool) or expected is None or isinstance(got, bool):
+        return None if (got is expected or (type(got) is type(expected) and got == expected)) else \
+            f"{path}: expected {_short(expected)}, got {_short(got)}"
+    if isinstance(expected, float) and isinstance(got, (int, float)):
+        return None if got == expected else f"{path}: expected {expected!r}, got {got!r}"
+    if type(got) is not type(expected) and not (isinstance(expected, int) and isinstance(got, int)):
+        return f"{path}: expected {type(expected).__name__} {_short(expected)}, got {type(got).__name__} {_short(got)}"
+    return None if got == expected else f"{path}: expected {_short(expected)}, got {_short(got)}"
+
+
+def _outcome(run: Callable[[Callable, Any], Any], fn: Callable, inputs: Any, student: bool):
+    """('ok', value, printed) or ('raised', exception, printed); NotImplementedError from the student escapes."""
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            return "ok", run(fn, inputs), out.getvalue()
+    except NotImplementedError as e:
+        if student:
+            raise _NotImplemented(str(e)) from None
+        return "raised", e, out.getvalue()
+    except Exception as e:  # noqa: BLE001 - any exception is an outcome to compare
+        return "raised", e, out.getvalue()
+
+
+def _describe_exc(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) <= MAX_REPR else text[:MAX_REPR] + "..."
+
+
+def run_check(task_id: str, fn: Callable, reference: Callable, cases: list[Case],
+              run: Callable[[Callable, Any], Any] | None = None) -> None:
+    """Compare `fn` with `reference` on every case; print one PASS line or raise CheckFailed.
+
+    run(f, inputs) applies a function to one case's inputs (default `f(*inputs)`); it may drive a whole
+    scenario and return a trace. A case where the reference raises passes if `fn` raises the same type.
+    """
+    if not callable(fn):
+        raise CheckFailed(f"{task_id}: expected your function (or class), got {type(fn).__name__}")
+    run = run or (lambda f, inputs: f(*inputs))
+    n = len(cases)
+    with _quiet(), torch.random.fork_rng(devices=[]):
+        for i, case in enumerate(cases, 1):
+            torch.manual_seed(0)
+            kind_e, expected, _ = _outcome(run, reference, case.make(), student=False)
+            torch.manual_seed(0)
+            try:
+                kind_g, got, printed = _outcome(run, fn, case.make(), student=True)
+            except _NotImplemented:
+                raise CheckFailed(
+                    f"{task_id}: task not implemented yet - your function raised NotImplementedError. "
+                    "Replace the `raise NotImplementedError(...)` line with your solution and run this cell again."
+                ) from None
+            head = f"{task_id} failed on case {i}/{n} '{case.name}'\n  inputs:   {case.show}\n"
+            tail = f"\n  your function printed: {_short(printed)}" if printed else ""
+            if kind_e == "raised":
+                if kind_g == "raised" and isinstance(got, type(expected)):
+                    continue
+                what = f"raised {_describe_exc(got)}" if kind_g == "raised" else f"returned {_short(got)}"
+                raise CheckFailed(f"{head}  expected: {type(expected).__name__} to be raised "
+                                  f"({_describe_exc(expected)})\n  got:      your function {what}{tail}")
+            if kind_g == "raised":
+                raise CheckFailed(f"{head}  expected: {_short(expected)}\n"
+                                  f"  got:      your function raised {_describe_exc(got)}{tail}") from got
+            d = _diff(expected, got)
+            if d is not None:
+                raise CheckFailed(f"{head}  {d}{tail}")
+    print(f"PASS {task_id} ({n}/{n} cases)")
+
+
+def _rng(seed: int) -> random.Random:
+    return random.Random(seed)
+
+
+def _randn(*shape: int, seed: int, dtype: torch.dtype = torch.float32, dev: torch.device | None = None,
+           scale: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(dtype=dtype, device=dev or device())
+
+
+# ============================================================================== a tiny model
+
+_MODELS: dict[str, Any] = {}
+TINY_VOCAB = 96
+
+
+def tiny_model(dev: torch.device | str | None = None):
+    """A tiny random Qwen3-architecture `DecoderModel` (float32, vocab 96, 2 layers, GQA), built in code.
+
+    Seeded and with a scaled-up init (sharp attention, well separated logits), so greedy decoding is
+    deterministic and far from ties. Cached per device. Used by the checks of ex01 and ex02.
+    """
+    from transformers import Qwen3Config
+
+    from minirt.model.decoder import DecoderModel
+    from minirt.model.layers import RotaryEmbedding
+
+    dev = torch.device(dev) if dev is not None else device()
+    key = str(dev)
+    if key in _MODELS:
+        return _MODELS[key]
+    with _quiet():
+        config = Qwen3Config(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                             rms_norm_eps=1e-6, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                             pad_token_id=None, rope_parameters={"rope_type": "default", "rope_theta": 10_000.0})
+        with torch.device("meta"):
+            model = DecoderModel(config)
+        model = model.to_empty(device="cpu")
+        model.model.rotary_emb = RotaryEmbedding(config)
+        model.lm_head.weight = model.model.embed_tokens.weight
+        g = torch.Generator().manual_seed(1234)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "norm" in name:
+                    p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+                elif "embed_tokens" in name:
+                    p.copy_(0.5 * torch.randn(p.shape, generator=g))
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * (2.0 / p.shape[1] ** 0.5))
+        model = model.to(dev).eval().requires_grad_(False)
+    _MODELS[key] = model
+    return model
+
+
+def _prompts(seed: int, lengths: list[int]) -> list[list[int]]:
+    rng = _rng(seed)
+    return [[rng.randrange(TINY_VOCAB) for _ in range(n)] for n in lengths]
+
+
+# ============================================================================== ex01: the naive loop
+
+
+def ex01_greedy_next_token(fn: Callable) -> None:
+    """Check `greedy_next_token(logits [B, V] float32) -> [B] int64` (the argmax; first index on ties)."""
+    from minirt.sampling import sample
+
+    def reference(logits):
+        B = logits.shape[0]
+        dev = logits.device
+        return sample(logits, torch.zeros(B, device=dev), torch.zeros(B, dtype=torch.long, device=dev),
+                      torch.ones(B, device=dev), [None] * B)
+
+    def case(name, make_logits, show):
+        return Case(name, lambda: (make_logits(),), show)
+
+    dev = device()
+    cases = [
+        case("one row", lambda: _randn(1, 10, seed=1), "logits [1, 10] random"),
+        case("one row, one token", lambda: _randn(1, 1, seed=2), "logits [1, 1]"),
+        case("batch of 4", lambda: _randn(4, 50, seed=3), "logits [4, 50] random"),
+        case("tie: all equal", lambda: torch.zeros(3, 7, device=dev), "logits [3, 7] all zeros (answer: index 0)"),
+        case("tie: two maxima", lambda: torch.tensor([[0.0, 2.0, 1.0, 2.0], [5.0, 5.0, -1.0, 0.0]], device=dev),
+             "logits [[0, 2, 1, 2], [5, 5, -1, 0]] (first maximum wins)"),
+        case("-inf entries", lambda: torch.tensor([[float("-inf"), -3.0, float("-inf")]], device=dev),
+             "logits [[-inf, -3, -inf]]"),
+        case("max at the last index", lambda: torch.arange(12, dtype=torch.float32, device=dev)[None].repeat(2, 1),
+             "logits [2, 12] = arange(12)"),
+        case("large batch", lambda: _randn(64, 96, seed=4, scale=3.0), "logits [64, 96] random"),
+        case("vocab-sized row", lambda: _randn(2, 4096, seed=5), "logits [2, 4096] random"),
+    ]
+    run_check("ex01.greedy_next_token", fn, reference, cases)
+
+
+def ex01_naive_generate(fn: Callable) -> None:
+    """Check `naive_generate(model, prompt_ids, max_new_tokens, eos_token_id=None) -> list[int]`."""
+    from minirt.generate import naive_generate as reference
+
+    model = tiny_model()
+    ref_tokens = {}
+
+    def eos_at(prompt, step):      # a token the reference really produces at `step`: EOS stops there
+        key = tuple(prompt)
+        if key not in ref_tokens:
+            with _quiet():
+                ref_tokens[key] = reference(model, prompt, 8)
+        return ref_tokens[key][step]
+
+    def case(name, prompt, n, eos=None, eos_step=None):
+        def make():
+            e = eos_at(prompt, eos_step) if eos_step is not None else eos
+            return model, list(prompt), n, e
+        show = f"prompt_ids={_short(prompt, 80)}, max_new_tokens={n}, eos_token_id=" + (
+            f"<the token produced at step {eos_step}>" if eos_step is not None else repr(eos))
+        return Case(name, make, show)
+
+    p = _prompts(11, [1, 2, 7, 20, 33])
+    cases = [
+        case("one-token prompt", p[0], 5),
+        case("max_new_tokens=1", p[2], 1),
+        case("two-token prompt", p[1], 6),
+        case("longer prompt", p[3], 10),
+        case("33-token prompt", p[4], 12),
+        case("EOS produced at step 3 (EOS is kept, then stop)", p[3], 8, eos_step=3),
+        case("EOS produced at the first step", p[2], 8, eos_step=0),
+        case("EOS never produced", p[1], 6, eos=TINY_VOCAB + 5),
+        case("empty prompt -> ValueError", [], 4),
+        case("max_new_tokens=0 -> ValueError", p[2], 0),
+    ]
+    run_check("ex01.naive_generate", fn, reference, cases)
+
+
+# ============================================================================== ex02: the KV cache
+
+
+def ex02_left_pad(fn: Callable) -> None:
+    """Check `left_pad(prompts, pad_id=0) -> (input_ids [B, T] int64, padding_mask [B, T] int64)`."""
+    from minirt.generate import left_pad as reference
+
+    def case(name, prompts, pad_id=None):
+        args = (prompts,) if pad_id is None else (prompts, pad_id)
+        show = f"prompts={_short(prompts, 120)}" + ("" if pad_id is None else f", pad_id={pad_id}")
+        return Case(name, lambda: copy.deepcopy(args), show)
+
+    rng = _rng(21)
+    cases = [
+        case("one prompt", [[5, 6, 7]]),
+        case("one-token prompt", [[9]]),
+        case("equal lengths (no padding)", [[1, 2], [3, 4], [5, 6]]),
+        case("two lengths", [[1, 2, 3, 4], [7]]),
+        case("shortest first", [[8], [1, 2, 3], [4, 5]]),
+        case("pad_id=2", [[1, 2, 3], [4]], 2),
+        case("prompt containing the pad id", [[0, 0, 3], [0]]),
+        case("random batch", [[rng.randrange(1000) for _ in range(rng.randint(1, 12))] for _ in range(6)]),
+        case("random batch, pad_id=99", [[rng.randrange(50) for _ in range(rng.randint(1, 30))] for _ in range(9)], 99),
+    ]
+    run_check("ex02.left_pad", fn, reference, cases)
+
+
+def ex02_kv_cache_generate(fn: Callable) -> None:
+    """Check `kv_cache_generate(model, prompts, max_new_tokens, eos_token_id=None) -> list[list[int]]`."""
+    from minirt.generate import kv_cache_generate as reference
+
+    model = tiny_model()
+    ref_tokens = {}
+
+    def eos_at(prompts, row, step):
+        key = tuple(map(tuple, prompts))
+        if key not in ref_tokens:
+            with _quiet():
+                ref_tokens[key] = reference(model, prompts, 8)
+        return ref_tokens[key][row][step]
+
+    def case(name, prompts, n, eos=None, eos_at_row_step=None):
+        def make():
+            e = eos_at(prompts, *eos_at_row_step) if eos_at_row_step else eos
+            return model, copy.deepcopy(prompts), n, e
+        show = f"prompts of lengths {[len(q) for q in prompts]}, max_new_tokens={n}, eos_token_id=" + (
+            f"<the token row {eos_at_row_step[0]} produces at step {eos_at_row_step[1]}>" if eos_at_row_step
+            else repr(eos))
+        return Case(name, make, show)
+
+    cases = [
+        case("one prompt", _prompts(31, [6]), 6),
+        case("one one-token prompt", _prompts(32, [1]), 4),
+        case("max_new_tokens=1", _prompts(33, [3, 5]), 1),
+        case("equal lengths", _prompts(34, [5, 5, 5]), 6),
+        case("different lengths (left padding, per-row positions)", _prompts(35, [2, 9, 5]), 7),
+        case("one-token and long prompt", _prompts(36, [1, 17]), 6),
+        case("EOS ends one row early, others go on", _prompts(37, [4, 8]), 8, eos_at_row_step=(0, 2)),
+        case("EOS at the first step of every row stops all", [[3, 4, 5]] * 2, 8, eos_at_row_step=(0, 0)),
+        case("EOS never produced", _prompts(38, [3, 6]), 5, eos=TINY_VOCAB + 3),
+        case("empty batch -> ValueError", [], 3),
+        case("an empty prompt -> ValueError", [[1, 2], []], 3),
+        case("max_new_tokens=0 -> ValueError", _prompts(39, [3]), 0),
+    ]
+    run_check("ex02.kv_cache_generate", fn, reference, cases)
+
+
+# ============================================================================== ex03: paged blocks
+
+
+def ex03_slot_mapping(fn: Callable) -> None:
+    """Check `slot_mapping(block_table, start, end, block_size) -> list[int]`."""
+    from minirt.kv.paged_cache import slot_mapping as reference
+
+    def case(name, table, start, end, B):
+        return Case(name, lambda: (list(table), start, end, B),
+                    f"block_table={_short(table, 80)}, start={start}, end={end}, block_size={B}")
+
+    rng = _rng(41)
+    perm = rng.sample(range(64), 16)
+    cases = [
+        case("empty range (start == end)", [3, 7], 2, 2, 4),
+        case("one token", [5], 0, 1, 4),
+        case("exactly one block", [6], 0, 4, 4),
+        case("block boundary B-1", [6, 2], 0, 3, 4),
+        case("block boundary B", [6, 2], 0, 4, 4),
+        case("block boundary B+1", [6, 2], 0, 5, 4),
+        case("decode step at the first slot of a block", [6, 2, 9], 8, 9, 4),
+        case("decode step at the last slot of a block", [6, 2, 9], 7, 8, 4),
+        case("start in the middle of a block", [1, 8, 3], 3, 10, 4),
+        case("non-contiguous block ids", [11, 0, 7, 3], 0, 13, 4),
+        case("block_size 1", [4, 2, 9, 1], 1, 4, 1),
+        case("block_size 16, chunk across blocks", perm[:5], 10, 70, 16),
+        case("random table, block_size 8", perm, 37, 121, 8),
+        case("random table, block_size 3", perm, 0, 48, 3),
+    ]
+    run_check("ex03.slot_mapping", fn, reference, cases)
+
+
+def ex03_block_pool(cls: Callable) -> None:
+    """Check a `BlockPool(num_blocks)` class: `allocate() -> int`, `acquire(id)`, `release(id)`,
+    `num_free_blocks`, and `blocks[i].ref_count`, against `minirt.kv.BlockPool` over op sequences."""
+    from minirt.kv.block_pool import BlockPool as reference
+
+    def drive(make_pool, inputs):
+        num_blocks, ops = inputs
+        pool = make_pool(num_blocks)
+        trace = []
+        for op in ops:
+            name, arg = op[0], op[1] if len(op) > 1 else None
+            try:
+                if name == "allocate":
+                    result = pool.allocate()
+                elif name == "acquire":
+                    result = pool.acquire(arg)
+                else:
+                    result = pool.release(arg)
+            except NotImplementedError:
+                raise
+            except RuntimeError as e:
+                result = f"raised {type(e).__name__}"
+            step = f"{name}()" if arg is None else f"{name}({arg})"
+            trace.append({"op": step, "returned": result, "num_free_blocks": pool.num_free_blocks,
+                          "ref_counts": [b.ref_count for b in pool.blocks]})
+        return trace
+
+    def random_ops(seed, num_blocks, n):
+        rng = _rng(seed)
+        held: list[int] = []           # one entry per reference held, as the reference pool would have them
+        freed: list[int] = []
+        ref = reference(num_blocks)
+        ops = []
+        for _ in range(n):
+            r = rng.random()
+            if r < 0.45 or not (held or freed):
+                ops.append(("allocate",))
+                if ref.num_free_blocks:
+                    b = ref.allocate()
+                    held.append(b)
+                    freed = [x for x in freed if x != b]
+            elif r < 0.60 and held:
+                b = rng.choice(held)
+                ops.append(("acquire", b))
+                ref.acquire(b)
+                held.append(b)
+            elif r < 0.70 and freed:
+                b = rng.choice(freed)          # revive a freed block
+                ops.append(("acquire", b))
+                ref.acquire(b)
+                held.append(b)
+                freed.remove(b)
+            elif held:
+                b = held.pop(rng.randrange(len(held)))
+                ops.append(("release", b))
+                ref.release(b)
+                if ref.blocks[b].ref_count == 0:
+                    freed.append(b)
+            else:
+                ops.append(("allocate",))
+        return ops
+
+    def case(name, num_blocks, ops):
+        show = f"BlockPool({num_blocks}), then " + _short(["".join(f"{o[0]}({o[1] if len(o) > 1 else ''})")
+                                                           for o in ops], 200)
+        return Case(name, lambda: (num_blocks, list(ops)), show)
+
+    A, Q, R = ("allocate",), "acquire", "release"
+    cases = [
+        case("one-block pool", 1, [A, (R, 0), A]),
+        case("allocate hands out blocks in order", 4, [A, A, A]),
+        case("allocate on an empty pool raises RuntimeError", 2, [A, A, A]),
+        case("freed blocks go to the end of the free list", 3, [A, A, (R, 0), A, A]),
+        case("least recently freed is reused first", 4, [A, A, A, A, (R, 2), (R, 0), (R, 3), A, A, A]),
+        case("shared block: freed only at ref_count 0", 3, [A, (Q, 0), (R, 0), A, (R, 0), A]),
+        case("acquire revives a freed block", 3, [A, A, (R, 1), (Q, 1), A, A]),
+        case("release of a free block raises RuntimeError", 2, [A, (R, 0), (R, 0)]),
+        case("release of a never-allocated block raises RuntimeError", 3, [(R, 2)]),
+        case("num_blocks=0 raises ValueError", 0, []),
+    ] + [case(f"random ops #{k}", nb, random_ops(500 + k, nb, 40)) for k, nb in enumerate([2, 5, 8, 16])]
+    run_check("ex03.block_pool", cls, reference, cases, run=drive)
+
+
+def _paged_inputs(seed: int, seqs: list[tuple[int, int]], B: int, H: int, Hkv: int, D: int,
+                  dtype: torch.dtype, extra_blocks: int = 3):
+    """Random paged K/V and packed queries for sequences `(context_len, query_len)` (query = the last tokens)."""
+    from minirt.attention import PagedAttentionMetadata
+
+    dev = device()
+    rng = _rng(seed)
+    need = [-(c // -B) for c, _ in seqs]
+    num_blocks = sum(need) + extra_blocks
+    ids = rng.sample(range(num_blocks), sum(need))          # scattered, non-contiguous physical blocks
+    tables, at = [], 0
+    for n in need:
+        tables.append(ids[at:at + n])
+        at += n
+    width = max(need)
+    slots, qsl = [], [0]
+    for (c, q), t in zip(seqs, tables):
+        slots += [t[p // B] * B + p % B for p in range(c - q, c)]
+        qsl.append(qsl[-1] + q)
+    as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    meta = PagedAttentionMetadata(
+        slot_mapping=as_long(slots), query_start_loc=as_long(qsl), context_lens=as_long([c for c, _ in seqs]),
+        block_tables=as_long([t + [0] * (width - len(t)) for t in tables]),
+        max_query_len=max(q for _, q in seqs), max_context_len=max(c for c, _ in seqs))
+    q = _randn(qsl[-1], H, D, seed=seed + 1, dtype=dtype)
+    k_cache = _randn(num_blocks, B, Hkv, D, seed=seed + 2, dtype=dtype)
+    v_cache = _randn(num_blocks, B, Hkv, D, seed=seed + 3, dtype=dtype)
+    return q, k_cache, v_cache, meta
+
+
+def ex03_paged_attention(fn: Callable) -> None:
+    """Check `paged_attention_reference(q, k_cache, v_cache, meta) -> [num_tokens, H, D]`."""
+    from minirt.attention import paged_attention_reference as reference
+
+    def case(name, seqs, B=4, H=4, Hkv=2, D=16, dtype=torch.float32, seed=0):
+        show = (f"(context_len, query_len) per sequence = {seqs}, block_size={B}, heads={H}, kv_heads={Hkv}, "
+                f"head_dim={D}, dtype={dtype}")
+        return Case(name, lambda: _paged_inputs(seed, seqs, B, H, Hkv, D, dtype), show)
+
+    cases = [
+        case("one prefill in one block", [(3, 3)], seed=1),
+        case("one token", [(1, 1)], seed=2),
+        case("prefill of exactly one block", [(4, 4)], seed=3),
+        case("prefill of B-1 tokens", [(3, 3)], B=4, seed=4),
+        case("prefill of B+1 tokens", [(5, 5)], seed=5),
+        case("decode at block boundary B+1", [(5, 1)], seed=6),
+        case("decode with a long context", [(37, 1)], seed=7),
+        case("prefill chunk after a cached prefix", [(13, 6)], seed=8),
+        case("mixed batch: decodes and prefill chunks", [(9, 1), (4, 4), (17, 5), (8, 1)], seed=9),
+        case("multi-head attention (kv_heads = heads)", [(6, 2), (11, 11)], H=2, Hkv=2, seed=10),
+        case("one kv head for 8 query heads", [(10, 3), (2, 2)], H=8, Hkv=1, D=8, seed=11),
+        case("block_size 16", [(40, 40), (33, 1), (16, 16)], B=16, seed=12),
+        case("block_size 1", [(5, 2), (3, 3)], B=1, seed=13),
+        case("bfloat16", [(9, 1), (12, 12), (7, 3)], dtype=torch.bfloat16, seed=14),
+        case("float16", [(20, 4), (5, 1)], dtype=torch.float16, seed=15),
+    ]
+    run_check("ex03.paged_attention", fn, reference, cases)
+
+
+# ============================================================================== ex04: the prefix cache
+
+
+def ex04_block_hashes(fn: Callable) -> None:
+    """Check `block_hashes(token_ids, block_size, num_blocks=None) -> list[int]`."""
+    from minirt.kv.prefix_cache import block_hashes as reference
+
+    def case(name, tokens, B, n="default"):
+        args = (tokens, B) if n == "default" else (tokens, B, n)
+        show = f"token_ids={_short(tokens, 100)}, block_size={B}" + ("" if n == "default" else f", num_blocks={n}")
+        return Case(name, lambda: copy.deepcopy(args), show)
+
+    rng = _rng(51)
+    t = [rng.randrange(1000) for _ in range(40)]
+    cases = [
+        case("no tokens", [], 4),
+        case("fewer tokens than a block (B-1)", t[:3], 4),
+        case("exactly one block (B)", t[:4], 4),
+        case("one block and one token (B+1)", t[:5], 4),
+        case("2B-1 tokens", t[:7], 4),
+        case("two blocks", t[:8], 4),
+        case("equal blocks at different positions hash differently (chain)", [1, 2, 1, 2, 1, 2], 2),
+        case("num_blocks=1 of three full blocks", t[:12], 4, 1),
+        case("num_blocks=0", t[:12], 4, 0),
+        case("num_blocks=None means all full blocks", t[:12], 4, None),
+        case("block_size 1", t[:6], 1),
+        case("block_size 16, 40 tokens", t, 16),
+        case("tokens as a tuple", tuple(t[:10]), 3),
+    ]
+    run_check("ex04.block_hashes", fn, reference, cases)
+
+
+def _cache_state(cache) -> dict:
+    pool = cache.pool
+    return {"ref_counts": [b.ref_count for b in pool.blocks], "free_list": list(pool.free),
+            "cached": sorted(pool.cached.values())}
+
+
+def ex04_match(fn: Callable) -> None:
+    """Check `match(cache, prompt_ids) -> list[int]` (the longest cached prefix; `PrefixCache.match`)."""
+    from minirt.kv.block_pool import BlockPool
+    from minirt.kv.prefix_cache import PrefixCache
+
+    B = 4
+
+    def build(num_blocks, sequences, release=(), forge=None, evict=0, enabled=True):
+        """A pool in which `sequences` were computed and registered; `release` lists sequences whose
+        blocks were freed since (cached but free); `evict` allocates that many blocks afterwards
+        (evicting the least recently freed); `forge=(seq, block)` fakes a hash collision there."""
+        pool = BlockPool(num_blocks)
+        cache = PrefixCache(pool, B, enabled)
+        tables = []
+        for tokens in sequences:
+            table = [pool.allocate() for _ in range(-(len(tokens) // -B))]
+            cache.register(tokens, table, len(tokens), 0)
+            tables.append(table)
+        for s in release:
+            pool.release_all(tables[s])
+        for _ in range(evict):
+            pool.allocate()
+        if forge is not None:
+            s, i = forge
+            blk = pool.blocks[tables[s][i]]
+            blk.token_ids = tuple(x + 1 for x in blk.token_ids)   # same hash, different tokens
+        return cache
+
+    def drive(f, inputs):
+        cache, prompt = inputs
+        result = f(cache, prompt)
+        return {"returned": list(result) if isinstance(result, (list, tuple)) else result,
+                "state after the call": _cache_state(cache)}
+
+    rng = _rng(61)
+    a = [rng.randrange(500) for _ in range(20)]
+    b = a[:8] + [rng.randrange(500) for _ in range(9)]
+
+    def case(name, prompt, show, **kw):
+        return Case(name, lambda: (build(**kw), list(prompt)), f"{show}; prompt_ids={_short(prompt, 90)}")
+
+    cases = [
+        case("empty cache", a, "nothing cached", num_blocks=8, sequences=[]),
+        case("prompt shorter than a block", a[:3], "A (20 tokens) cached", num_blocks=8, sequences=[a]),
+        case("prompt of exactly B tokens: the last token is recomputed", a[:4], "A cached",
+             num_blocks=8, sequences=[a]),
+        case("prompt of B+1 tokens", a[:5], "A cached", num_blocks=8, sequences=[a]),
+        case("prompt of exactly 2B tokens: one block", a[:8], "A cached", num_blocks=8, sequences=[a]),
+        case("whole prompt cached: all but the last token's block", a, "A cached", num_blocks=8, sequences=[a]),
+        case("shared prefix of two blocks", b, "A cached, prompt B shares its first 8 tokens",
+             num_blocks=12, sequences=[a]),
+        case("first block differs: no hit", [a[0] + 1] + a[1:], "A cached", num_blocks=8, sequences=[a]),
+        case("freed blocks still hit (no reference taken)", a, "A cached, then freed", num_blocks=8,
+             sequences=[a], release=[0]),
+        case("evicted block ends the match", a, "A cached, freed, then 7 blocks allocated (evicting)",
+             num_blocks=8, sequences=[a], release=[0], evict=7),
+        case("hash collision: tokens differ, stop there", a, "A cached, block 1 forged (same hash, other tokens)",
+             num_blocks=8, sequences=[a], forge=(0, 1)),
+        case("prefix caching disabled", a, "A cached, cache.enabled = False", num_blocks=8, sequences=[a],
+             enabled=False),
+        case("two cached sequences", b + [1, 2, 3], "A and B cached", num_blocks=16, sequences=[a, b]),
+    ]
+    run_check("ex04.match", fn, lambda cache, prompt: cache.match(prompt), cases, run=drive)
+
+
+# ============================================================================== ex05: the engine
+
+
+class ToyTokenizer:
+    """A fixed vocabulary of short strings; id 0 is the special EOS token. `decode` joins the pieces."""
+
+    VOCAB = ["<eos>", "a", "b", "c", " ", "\n", "ab", "ba", "STOP", "ST", "OP", "!", ".", "ROMEO", ":", "the", "end"]
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(self.VOCAB[i] for i in ids if not (skip_special_tokens and i == self.eos_token_id))
+
+
+def _new_request(rid, prompt, max_new_tokens=8, tokenizer=None, **params):
+    from minirt.request import Request
+    from minirt.sampling import SamplingParams
+
+    eos = frozenset({ToyTokenizer.eos_token_id}) if tokenizer is not None else frozenset()
+    return Request(rid, None, list(prompt), SamplingParams(max_new_tokens=max_new_tokens, **params), eos, tokenizer)
+
+
+def _request_state(r) -> dict:
+    return {"block_table": list(r.block_table), "num_computed_tokens": r.num_computed_tokens,
+            "num_cached_tokens": r.num_cached_tokens, "num_registered_blocks": r.num_registered_blocks,
+            "num_prefill_tokens": getattr(r, "num_prefill_tokens", None)}
+
+
+def ex05_try_allocate(fn: Callable) -> None:
+    """Check `try_allocate(scheduler, request) -> bool` (`Scheduler.try_allocate`) over admission scenarios."""
+    from minirt.config import EngineConfig
+    from minirt.kv.block_pool import BlockPool
+    from minirt.kv.prefix_cache import PrefixCache
+    from minirt.scheduler import Scheduler
+
+    def drive(f, inputs):
+        block_size, num_blocks, caching, ops = inputs
+        pool = BlockPool(num_blocks)
+        cache = PrefixCache(pool, block_size, caching)
+        sched = Scheduler(EngineConfig(block_size=block_size, num_kv_blocks=num_blocks,
+                                       enable_prefix_caching=caching), pool, cache)
+        reqs, trace = {}, []
+        for op in ops:
+            kind, rid = op[0], op[1]
+            if kind == "admit":                     # the function under test
+                r = reqs[rid] = _new_request(rid, op[2], op[3])
+                try:
+                    ok = f(sched, r)
+                except NotImplementedError:
+                    raise
+                except Exception as e:  # noqa: BLE001 - recorded at the step where it happened
+                    ok = f"raised {_describe_exc(e)}"
+                if ok is True:
+                    sched.prefilling_requests.append(r)   # admitted: the engine is no longer empty
+                trace.append({"op": f"admit {rid}", "returned": ok, "request": _request_state(r),
+                              "pool": _cache_state(cache), "prefix_cache_hits": cache.hits,
+                              "prefix_cache_queries": cache.queries})
+                if isinstance(ok, str):
+                    break
+            elif kind == "prefill":                 # compute its prompt: full blocks are registered
+                r = reqs[rid]
+                if r.block_table:
+                    r.num_registered_blocks = cache.register(r.token_ids, r.block_table, r.num_prompt_tokens,
+                                                             r.num_registered_blocks)
+                    r.num_computed_tokens = r.num_prompt_tokens
+            elif kind == "finish":                  # free its blocks (cached blocks stay in the cache)
+                r = reqs[rid]
+                if r in sched.prefilling_requests:
+                    sched.prefilling_requests.remove(r)
+                pool.release_all(r.block_table)
+        return trace
+
+    rng = _rng(71)
+    tok = [rng.randrange(300) for _ in range(64)]
+    other = [rng.randrange(300, 600) for _ in range(64)]
+
+    def case(name, ops, B=4, num_blocks=8, caching=True):
+        def fmt(op):
+            return f"{op[0]} {op[1]}" + (f" (prompt {len(op[2])} tokens, max_new_tokens {op[3]})" if op[0] == "admit"
+                                          else "")
+        show = f"block_size={B}, num_kv_blocks={num_blocks}, prefix caching {'on' if caching else 'off'}; ops: " + \
+            "; ".join(fmt(o) for o in ops)
+        return Case(name, lambda: (B, num_blocks, caching, copy.deepcopy(ops)), show)
+
+    cases = [
+        case("fits in the empty pool", [("admit", "r0", tok[:10], 6)]),
+        case("prompt of exactly one block", [("admit", "r0", tok[:4], 4)]),
+        case("prompt of B+1 tokens", [("admit", "r0", tok[:5], 1)]),
+        case("larger than the free blocks: refused, nothing changes",
+             [("admit", "r0", tok[:16], 4), ("admit", "r1", other[:17], 4)], num_blocks=8),
+        case("pool filled up one request at a time",
+             [("admit", f"r{i}", other[i * 8:i * 8 + 7], 2) for i in range(6)], num_blocks=8),
+        case("prefix hit on blocks another request holds",
+             [("admit", "r0", tok[:12], 2), ("prefill", "r0"), ("admit", "r1", tok[:10] + other[:3], 2)]),
+        case("prefix hit on freed (cached) blocks revives them",
+             [("admit", "r0", tok[:12], 2), ("prefill", "r0"), ("finish", "r0"), ("admit", "r1", tok[:14], 2)]),
+        case("hits in the free list do not count as free blocks",
+             [("admit", "r0", tok[:8], 1), ("prefill", "r0"), ("finish", "r0"),
+              ("admit", "r1", tok[:8] + other[:25], 1)], num_blocks=8),
+        case("whole prompt cached: the last block is computed again",
+             [("admit", "r0", tok[:8], 1), ("prefill", "r0"), ("finish", "r0"), ("admit", "r1", tok[:8], 1)]),
+        case("prefix caching disabled: no hits",
+             [("admit", "r0", tok[:12], 2), ("prefill", "r0"), ("finish", "r0"), ("admit", "r1", tok[:12], 2)],
+             caching=False),
+        case("watermark: with requests admitted, 1% of the pool stays free",
+             [("admit", "r0", tok[:40], 8), ("admit", "r1", other[:44], 8), ("admit", "r2", other[44:60], 8)],
+             B=1, num_blocks=100),
+        case("watermark does not apply to an empty engine",
+             [("admit", "r0", other[:50] + tok[:50], 8)], B=1, num_blocks=100),
+    ]
+    run_check("ex05.try_allocate", fn, lambda sched, r: sched.try_allocate(r), cases, run=drive)
+
+
+def ex05_append_token(fn: Callable) -> None:
+    """Check `append_token(request, token_id, now)` (`Request.append_token`): EOS, stop ids, stop strings, length."""
+    V = {s: i for i, s in enumerate(ToyTokenizer.VOCAB)}
+    tokenizer = ToyTokenizer()
+
+    def drive(f, inputs):
+        params, tokens = inputs
+        r = _new_request("r", [V["ROMEO"], V[":"]], tokenizer=tokenizer, **params)
+        trace = []
+        for t, token in enumerate(tokens):
+            f(r, token, 100.0 + t)
+            step = {"token_ids": list(r.token_ids), "finish_reason": r.finish_reason,
+                    "first_token_time": r.first_token_time, "last_token_time": r.last_token_time,
+                    "token_times": list(getattr(r, "token_times", []))}
+            if r.params.stop:
+                step["text"] = r.text
+            trace.append(step)
+            if r.finish_reason is not None:
+                break
+        return trace
+
+    def case(name, words, **params):
+        tokens = [V[w] for w in words]
+        show = f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in params.items())}); tokens appended: {words}"
+        return Case(name, lambda: (dict(params), list(tokens)), show)
+
+    cases = [
+        case("length limit max_new_tokens=1", ["a", "b", "c"], max_new_tokens=1),
+        case("length limit 4", ["a", "b", "c", "a", "b", "c"], max_new_tokens=4),
+        case("EOS ends with 'stop' (EOS kept in token_ids)", ["a", "<eos>", "b"], max_new_tokens=8),
+        case("EOS on the last allowed token: 'stop' wins", ["a", "b", "<eos>"], max_new_tokens=3),
+        case("ignore_eos: EOS is an ordinary token", ["a", "<eos>", "b", "c"], max_new_tokens=4, ignore_eos=True),
+        case("stop_token_ids", ["a", "!", "b"], max_new_tokens=8, stop_token_ids=(V["!"],)),
+        case("stop string in one token", ["a", "b", "STOP", "c"], max_new_tokens=8, stop=("STOP",)),
+        case("stop string across two tokens", ["a", "ST", "OP", "c"], max_new_tokens=8, stop=("STOP",)),
+        case("stop string across token pieces", ["c", "a", "ba", "c"], max_new_tokens=8, stop=("aba",)),
+        case("stop string at the very start", ["the", " ", "end"], max_new_tokens=8, stop=("th",)),
+        case("earliest of two stop strings wins", ["a", "ab", "c", "end"], max_new_tokens=8, stop=("c", "ab")),
+        case("two stop strings complete at once: the earlier one cuts", ["a", "STOP", "b"], max_new_tokens=8,
+             stop=("OP", "ST")),
+        case("stop string on the last allowed token: 'stop' wins", ["a", "b", "."], max_new_tokens=3, stop=("b.",)),
+        case("stop string never completed: 'length'", ["ST", "a", "OP", "b"],
+             max_new_tokens=4, stop=("STOP",)),
+        case("stop string and EOS", ["a", "b", "<eos>"], max_new_tokens=8, stop=("xyz",)),
+        case("newline as a stop string", ["the", "\n", "end"], max_new_tokens=8, stop=("\n",)),
+    ]
+    run_check("ex05.append_token", fn, lambda r, token, now: r.append_token(token, now), cases, run=drive)
+
+
+# ============================================================================== ex06: chunked prefill
+
+
+def ex06_split_budget(fn: Callable) -> None:
+    """Check `split_budget(budget, num_decodes, remaining_prompts, max_prefill_chunk) -> (decodes, chunks)`."""
+    from minirt.scheduler import split_budget as reference
+
+    def case(name, budget, decodes, remaining, cap):
+        return Case(name, lambda: (budget, decodes, list(remaining), cap),
+                    f"budget={budget}, num_decodes={decodes}, remaining_prompts={_short(remaining, 100)}, "
+                    f"max_prefill_chunk={cap}")
+
+    rng = _rng(81)
+    cases = [
+        case("no work", 8192, 0, [], 1024),
+        case("only decodes", 8192, 5, [], 1024),
+        case("more decodes than budget", 4, 7, [10], 1024),
+        case("decodes use the budget exactly", 5, 5, [3, 3], 1024),
+        case("one short prompt", 8192, 0, [17], 1024),
+        case("prompt longer than the chunk cap", 8192, 0, [3000], 1024),
+        case("prompt of exactly the chunk cap", 8192, 2, [1024], 1024),
+        case("budget runs out in the second prompt", 100, 10, [50, 70, 20], 64),
+        case("prompts after the budget get 0", 16, 0, [8, 8, 8, 8], 1024),
+        case("a finished prompt (0 remaining)", 32, 1, [0, 12], 8),
+        case("budget of one token", 1, 0, [5, 5], 4),
+        case("random", 8192, 37, [rng.randint(1, 5000) for _ in range(12)], 1024),
+        case("random, small cap", 300, 12, [rng.randint(1, 200) for _ in range(9)], 48),
+    ]
+    run_check("ex06.split_budget", fn, reference, cases)
+
+
+def _simulate(schedule_fn, cfg_kw: dict, arrivals: list[tuple[int, str, list[int], int]], max_steps: int = 300):
+    """Run the engine's step loop without a model: `schedule_fn(scheduler)` decides each step, then the
+    scheduler's bookkeeping runs as in `Engine.step`. Sampled tokens are made up deterministically; every
+    request stops at its `max_new_tokens`. Returns one record per step."""
+    from minirt.config import EngineConfig
+    from minirt.kv.block_pool import BlockPool
+    from minirt.kv.prefix_cache import PrefixCache
+    from minirt.scheduler import Scheduler
+
+    cfg = EngineConfig(**cfg_kw)
+    pool = BlockPool(cfg.num_kv_blocks)
+    sched = Scheduler(cfg, pool, PrefixCache(pool, cfg.block_size, cfg.enable_prefix_caching))
+    pending = sorted(arrivals, key=lambda a: a[0])
+    ids = lambda rs: [r.request_id for r in rs]  # noqa: E731
+    trace = []
+    for step in range(max_steps):
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, max_new = pending.pop(0)
+            sched.add(_new_request(rid, prompt, max_new))
+        if not sched.has_work():
+            if not pending:
+                break
+            continue
+        try:
+            batch = schedule_fn(sched)
+            items = list(getattr(batch, "items", batch) or [])
+            scheduled = [(r.request_id, n) for r, n in items]
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - recorded at the step where it happened
+            batch, items, scheduled = None, [], f"raised {_describe_exc(e)}"
+        trace.append({"step": step, "batch": scheduled,
+                      "num_decodes": getattr(batch, "num_decodes", None),
+                      "waiting": ids(sched.waiting_queue), "prefilling": ids(sched.prefilling_requests),
+                      "running": ids(sched.running_requests),
+                      "block_tables": {r.request_id: list(r.block_table)
+                                       for r in [*sched.prefilling_requests, *sched.running_requests]}})
+        if isinstance(scheduled, str):
+            break
+        try:
+            for r, n in items:
+                sched.update_after_step(r, n)
+            for r, n in items:
+                if r.num_computed_tokens == len(r.token_ids):
+                    r.append_token((len(r.token_ids) * 7 + r.num_prompt_tokens) % 50 + 1, float(step))
+                    if r.finish_reason is not None:
+                        sched.remove(r)
+                        r.finish(r.finish_reason)
+        except NotImplementedError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a wrong batch breaks the bookkeeping: that is the finding
+            trace.append({"step": step, "error after this batch": _describe_exc(e)})
+            break
+    return trace
+
+
+def ex06_schedule(fn: Callable) -> None:
+    """Check `schedule(scheduler) -> ScheduledBatch` (`Scheduler.schedule`) by simulating whole workloads."""
+
+    def drive(f, inputs):
+        cfg_kw, arrivals = inputs
+        return _simulate(f, cfg_kw, arrivals)
+
+    rng = _rng(91)
+
+    def prompts(n, lo, hi):
+        return [[rng.randrange(1000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+    def case(name, arrivals, **cfg):
+        cfg_kw = dict(dict(block_size=4, num_kv_blocks=64, max_num_seqs=256, max_num_batched_tokens=8192,
+                           max_prefill_chunk=1024), **cfg)
+        show = (", ".join(f"{k}={v}" for k, v in cfg_kw.items()) + "; arrivals (step, id, prompt tokens, "
+                "max_new_tokens): " + _short([(s, rid, len(p), m) for s, rid, p, m in arrivals], 200))
+        return Case(name, lambda: (cfg_kw, copy.deepcopy(arrivals)), show)
+
+    P = prompts(12, 3, 30)
+    shared = [rng.randrange(1000) for _ in range(16)]
+    cases = [
+        case("one short request", [(0, "r0", P[0], 3)]),
+        case("three at once, large budget", [(0, f"r{i}", P[i], 4) for i in range(3)]),
+        case("decodes go first, then prefill chunks", [(0, "r0", P[1], 6), (2, "r1", P[2], 3), (3, "r2", P[3], 3)],
+             max_num_batched_tokens=12),
+        case("chunk cap smaller than the prompt", [(0, "r0", P[4] + P[5], 3), (1, "r1", P[6], 2)],
+             max_prefill_chunk=8),
+        case("budget smaller than the prompts", [(0, f"r{i}", P[i], 3) for i in range(5)],
+             max_num_batched_tokens=10, max_prefill_chunk=6),
+        case("budget of one token", [(0, "r0", P[7][:5], 3), (0, "r1", P[8][:4], 2)], max_num_batched_tokens=1),
+        case("max_num_seqs=1", [(0, f"r{i}", P[i], 2) for i in range(4)], max_num_seqs=1),
+        case("head-of-line: a big request waits and nobody overtakes it",
+             [(0, "r0", P[9][:20], 6), (1, "big", [5] * 30, 6), (1, "small", [6] * 3, 2)], num_kv_blocks=12),
+        case("tight pool: decodes take new blocks, preemption by recompute",
+             [(0, f"r{i}", P[i][:10], 10) for i in range(4)], num_kv_blocks=12, max_prefill_chunk=8),
+        case("prefix cache hits on a shared prefix",
+             [(0, "r0", shared + [1, 2, 3], 3), (4, "r1", shared + [4, 5], 3), (4, "r2", shared[:9], 2)]),
+        case("staggered arrivals, mixed lengths",
+             [(2 * i, f"r{i}", p, 1 + i % 4) for i, p in enumerate(prompts(8, 1, 40))],
+             max_num_batched_tokens=24, max_prefill_chunk=16, num_kv_blocks=40),
+    ]
+    run_check("ex06.schedule", fn, lambda sched: sched.schedule(), cases, run=drive)
+
+
+# ============================================================================== registry
+
+TASKS: dict[str, Callable[[Callable], None]] = {
+    "ex01.greedy_next_token": ex01_greedy_next_token,
+    "ex01.naive_generate": ex01_naive_generate,
+    "ex02.left_pad": ex02_left_pad,
+    "ex02.kv_cache_generate": ex02_kv_cache_generate,
+    "ex03.slot_mapping": ex03_slot_mapping,
+    "ex03.block_pool": ex03_block_pool,
+    "ex03.paged_attention": ex03_paged_attention,
+    "ex04.block_hashes": ex04_block_hashes,
+    "ex04.match": ex04_match,
+    "ex05.try_allocate": ex05_try_allocate,
+    "ex05.append_token": ex05_append_token,
+    "ex06.split_budget": ex06_split_budget,
+    "ex06.schedule": ex06_schedule,
+}
+__all__ = ["CheckFailed", "Case", "TASKS", "ToyTokenizer", "device", "run_check", "tiny_model",
+           *(name.replace(".", "_") for name in TASKS)]

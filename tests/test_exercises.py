@@ -1,0 +1,397 @@
+"""The exercise system: solutions pass nbval, the distributed exercises fail every graded check,
+exercises/ is what tools/make_exercises.py generates, and every checker catches wrong implementations
+with a message that names the case."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import pytest
+import torch
+
+from minirt.course import checks
+from minirt.course.checks import CheckFailed
+
+ROOT = Path(__file__).resolve().parent.parent
+SOLUTIONS = sorted((ROOT / "solutions").glob("ex[0-9][0-9]_*.ipynb"))
+EXERCISES = sorted((ROOT / "exercises").glob("ex[0-9][0-9]_*.ipynb"))
+
+
+def _load_make_exercises():
+    spec = importlib.util.spec_from_file_location("make_exercises", ROOT / "tools" / "make_exercises.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _nbval():
+    import ipykernel  # noqa: F401  (the notebook tests need the notebooks extra: pip install -e '.[notebooks]')
+    import nbval  # noqa: F401
+
+
+# ---------------------------------------------------------------------------------------- the notebooks
+
+
+def test_six_exercises_with_at_least_two_graded_tasks_each():
+    import nbformat
+    names = [p.name for p in SOLUTIONS]
+    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06"], names
+    assert [p.name for p in EXERCISES] == names
+    for path in SOLUTIONS:
+        nb = nbformat.read(path, as_version=4)
+        tasks = [c.metadata["minirt"]["task"] for c in nb.cells if "task" in c.metadata.get("minirt", {})]
+        assert len(tasks) >= 2, path.name
+        assert all(t in checks.TASKS for t in tasks), tasks
+
+
+def test_solutions_pass_nbval():
+    """Every cell of every solution notebook runs, and its output equals the stored one (no --nbval-lax)."""
+    _nbval()
+    cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", "-p", "no:cacheprovider", "-q",
+           "-o", "addopts=", "--nbval-cell-timeout", "300", *map(str, SOLUTIONS)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
+
+
+def test_exercises_are_generated_from_solutions():
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "make_exercises.py"), "--check"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_graded_cell_of_the_distributed_exercises_fails():
+    """The starter notebooks are not already solutions: with the stubs, every check cell fails."""
+    _nbval()
+    from minirt.course import grading
+
+    rows = grading.grade(EXERCISES, timeout=300, verbose=False)
+    for row in rows:
+        assert row["exercise"] is not None and row["max"] >= 2, row
+        assert row["total"] == 0, row
+        assert len(row["scores"]) >= 2
+        for task in row["scores"]:
+            assert row["notes"][task] == "task not implemented yet", (row["submission"], task, row["notes"])
+
+
+# ---------------------------------------------------------------------------------------- the generator
+
+
+def test_generator_replaces_solution_regions_and_keeps_check_outputs():
+    import nbformat
+    mk = _load_make_exercises()
+    src = ("class A:\n    def f(self):\n        \"\"\"Doc.\"\"\"\n        ### BEGIN SOLUTION\n        return 1\n"
+           "        ### END SOLUTION\n\n    def g(self):\n    ### BEGIN SOLUTION\n        return 2\n"
+           "    ### END SOLUTION\n")
+    out, n = mk.strip_solutions(src)
+    assert n == 2
+    assert out == ("class A:\n    def f(self):\n        \"\"\"Doc.\"\"\"\n        raise NotImplementedError("
+                   "\"write your solution here\")\n\n    def g(self):\n    raise NotImplementedError("
+                   "\"write your solution here\")\n")
+    with pytest.raises(mk.MarkerError):
+        mk.strip_solutions("### BEGIN SOLUTION\nx = 1\n")
+    with pytest.raises(mk.MarkerError):
+        mk.strip_solutions("x = 1\n### END SOLUTION\n")
+
+    nb = nbformat.read(SOLUTIONS[2], as_version=4)
+    ex = mk.make_exercise(nb)
+    assert mk.dumps(ex) == mk.dumps(mk.make_exercise(copy.deepcopy(nb)))          # deterministic
+    for sol_cell, ex_cell in zip(nb.cells, ex.cells):
+        if "task" in sol_cell.metadata.get("minirt", {}):
+            assert ex_cell.outputs == sol_cell.outputs and ex_cell.outputs            # PASS line kept
+            assert ex_cell.execution_count is not None                             # nbval compares it
+        elif "### BEGIN SOLUTION" in sol_cell.source:
+            assert ex_cell.outputs == [] and ex_cell.execution_count is None
+            assert "### BEGIN SOLUTION" not in ex_cell.source
+            assert ex_cell.source.split("\n")[0] == sol_cell.source.split("\n")[0]   # the signature stays
+
+
+def test_generator_check_mode_names_the_stale_file(tmp_path):
+    mk = _load_make_exercises()
+    out = tmp_path / "exercises"
+    assert mk.main(["--exercises", str(out)]) == 0
+    assert mk.main(["--exercises", str(out), "--check"]) == 0
+    stale = out / EXERCISES[0].name
+    stale.write_text(stale.read_text().replace("raise NotImplementedError", "pass  # "))
+    assert mk.main(["--exercises", str(out), "--check"]) == 1
+
+
+# ---------------------------------------------------------------------------------------- the checkers
+
+REFERENCES = {
+    "ex01.greedy_next_token": lambda logits: logits.argmax(-1),
+    "ex01.naive_generate": "minirt.generate:naive_generate",
+    "ex02.left_pad": "minirt.generate:left_pad",
+    "ex02.kv_cache_generate": "minirt.generate:kv_cache_generate",
+    "ex03.slot_mapping": "minirt.kv.paged_cache:slot_mapping",
+    "ex03.block_pool": "minirt.kv.block_pool:BlockPool",
+    "ex03.paged_attention": "minirt.attention:paged_attention_reference",
+    "ex04.block_hashes": "minirt.kv.prefix_cache:block_hashes",
+    "ex04.match": lambda cache, prompt: cache.match(prompt),
+    "ex05.try_allocate": lambda scheduler, request: scheduler.try_allocate(request),
+    "ex05.append_token": lambda request, token, now: request.append_token(token, now),
+    "ex06.split_budget": "minirt.scheduler:split_budget",
+    "ex06.schedule": lambda scheduler: scheduler.schedule(),
+}
+
+
+def _resolve(ref):
+    if callable(ref):
+        return ref
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("task", sorted(checks.TASKS))
+def test_reference_passes_with_exactly_one_line(task, capsys):
+    checks.TASKS[task](_resolve(REFERENCES[task]))
+    out = capsys.readouterr()
+    assert out.err == ""
+    lines = out.out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"PASS {task} (")
+    k = lines[0].split("(")[1].split("/")[0]
+    assert lines[0] == f"PASS {task} ({k}/{k} cases)" and int(k) >= 8
+
+
+@pytest.mark.parametrize("task", sorted(checks.TASKS))
+def test_stub_fails_with_not_implemented(task, capsys):
+    def stub(*args, **kwargs):
+        raise NotImplementedError("write your solution here")
+
+    with pytest.raises(CheckFailed, match="task not implemented yet"):
+        checks.TASKS[task](stub)
+    assert capsys.readouterr().out == ""
+
+
+def _wrong_block_pool():
+    from minirt.kv import Block
+
+    class LIFOPool:                      # hands out the most recently freed block first
+        def __init__(self, n):
+            if n < 1:
+                raise ValueError("num_blocks")
+            self.blocks = [Block(i) for i in range(n)]
+            self.free = OrderedDict((i, None) for i in range(n))
+
+        @property
+        def num_free_blocks(self):
+            return len(self.free)
+
+        def allocate(self):
+            if not self.free:
+                raise RuntimeError("empty")
+            b, _ = self.free.popitem(last=True)
+            self.blocks[b].ref_count = 1
+            return b
+
+        def acquire(self, b):
+            if self.blocks[b].ref_count == 0:
+                del self.free[b]
+            self.blocks[b].ref_count += 1
+
+        def release(self, b):
+            if self.blocks[b].ref_count <= 0:
+                raise RuntimeError("over-release")
+            self.blocks[b].ref_count -= 1
+            if self.blocks[b].ref_count == 0:
+                self.free[b] = None
+    return LIFOPool
+
+
+def _match_without_last_token_rule(cache, prompt):
+    from minirt.kv.prefix_cache import block_hashes
+
+    if not cache.enabled:
+        return []
+    B, out = cache.block_size, []
+    for i, h in enumerate(block_hashes(prompt, B)):
+        b = cache.pool.cached.get(h)
+        if b is None or cache.pool.blocks[b].token_ids != tuple(prompt[i * B:(i + 1) * B]):
+            break
+        out.append(b)
+    return out
+
+
+def _try_allocate_ignoring_revived_hits(scheduler, request):
+    from minirt.config import cdiv
+
+    pool, B = scheduler.pool, scheduler.config.block_size
+    hits = scheduler.prefix_cache.match(request.token_ids)
+    total = cdiv(len(request.token_ids), B)
+    watermark = scheduler.watermark_blocks if (scheduler.prefilling_requests or scheduler.running_requests) else 0
+    if total - len(hits) > pool.num_free_blocks - watermark:       # forgets that free hits are in the free list
+        return False
+    for b in hits:
+        pool.acquire(b)
+    request.block_table = hits + [pool.allocate() for _ in range(total - len(hits))]
+    request.num_computed_tokens = request.num_cached_tokens = len(hits) * B
+    request.num_registered_blocks = len(hits)
+    request.num_prefill_tokens = len(request.token_ids)
+    scheduler.prefix_cache.record(len(request.token_ids), request.num_cached_tokens)
+    return True
+
+
+def _append_token_length_before_stop(request, token_id, now):
+    request.append_token(token_id, now)
+    if request.num_output_tokens >= request.params.max_new_tokens:
+        request.finish_reason = "length"
+
+
+def _schedule_letting_small_requests_overtake(scheduler):
+    """Wrong: a waiting request that does not fit is skipped, and the ones behind it are admitted."""
+    from minirt.request import RequestStatus
+    from minirt.scheduler import ScheduledBatch, split_budget
+
+    cfg, batch, i = scheduler.config, ScheduledBatch(), 0
+    while i < len(scheduler.running_requests) and batch.num_decodes < cfg.max_num_batched_tokens:
+        request = scheduler.running_requests[i]
+        if scheduler.ensure_decode_slot(request):
+            batch.items.append((request, 1))
+            batch.num_decodes += 1
+            i += 1
+    _, chunks = split_budget(cfg.max_num_batched_tokens, batch.num_decodes,
+                             [r.num_prefill_tokens - r.num_computed_tokens for r in scheduler.prefilling_requests],
+                             cfg.max_prefill_chunk)
+    batch.items += [(r, n) for r, n in zip(scheduler.prefilling_requests, chunks) if n > 0]
+    budget = cfg.max_num_batched_tokens - batch.num_tokens
+    for request in list(scheduler.waiting_queue):
+        if budget <= 0 or len(scheduler.prefilling_requests) + len(scheduler.running_requests) >= cfg.max_num_seqs:
+            break
+        if not scheduler.try_allocate(request):
+            continue
+        scheduler.waiting_queue.remove(request)
+        request.status = RequestStatus.PREFILLING
+        scheduler.prefilling_requests.append(request)
+        n = min(request.num_prefill_tokens - request.num_computed_tokens, cfg.max_prefill_chunk, budget)
+        batch.items.append((request, n))
+        budget -= n
+    return batch
+
+
+def _right_pad(prompts, pad_id=0):
+    """Wrong: pads on the right."""
+    T = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), T, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p, dtype=torch.long)
+        mask[i, :len(p)] = 1
+    return ids, mask
+
+
+def _kv_cache_generate_attending_to_padding(model, prompts, max_new_tokens, eos_token_id=None):
+    """Wrong: announces every column as a real token, so rows attend to their left padding."""
+    from minirt.generate import ContiguousKVCache, left_pad
+
+    ids, mask = (t.to(model.device) for t in left_pad(prompts))
+    B, T = ids.shape
+    cache = ContiguousKVCache(model, B, T + max_new_tokens)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    out, done = [[] for _ in range(B)], [False] * B
+    with torch.inference_mode():
+        for _ in range(max_new_tokens):
+            cache.append(torch.ones_like(mask))
+            nxt = model.compute_logits(model(ids, positions, attn=cache)[:, -1]).argmax(-1)
+            for i, t in enumerate(nxt.tolist()):
+                if not done[i]:
+                    out[i].append(t)
+                    done[i] = t == eos_token_id
+            if all(done):
+                break
+            ids, positions = nxt[:, None], positions[:, -1:] + 1
+            mask = torch.ones(B, 1, dtype=torch.long, device=model.device)
+    return out
+
+
+def _paged_attention_without_causal_mask(q, k_cache, v_cache, meta):
+    from minirt.attention import sdpa
+
+    B, outs = k_cache.shape[1], []
+    for s in range(meta.context_lens.shape[0]):
+        a, b, ctx = int(meta.query_start_loc[s]), int(meta.query_start_loc[s + 1]), int(meta.context_lens[s])
+        pos = torch.arange(ctx, device=q.device)
+        slots = meta.block_tables[s, pos // B] * B + pos % B
+        outs.append(sdpa(q[None, a:b], k_cache.flatten(0, 1)[slots][None], v_cache.flatten(0, 1)[slots][None])[0])
+    return torch.cat(outs)
+
+
+WRONG = [
+    ("ex01.greedy_next_token", lambda logits: logits.shape[-1] - 1 - logits.flip(-1).argmax(-1), "tie"),
+    ("ex01.naive_generate",
+     lambda model, p, n, eos=None: importlib.import_module("minirt.generate").naive_generate(model, p, n), "EOS"),
+    ("ex02.left_pad", lambda prompts, pad_id=0: _right_pad(prompts, pad_id), "two lengths"),
+    ("ex02.kv_cache_generate", _kv_cache_generate_attending_to_padding, "max_new_tokens=1"),
+    ("ex03.slot_mapping", lambda table, start, end, B: [table[p // B] * B + p % B for p in range(start, end - 1)],
+     "one token"),
+    ("ex03.block_pool", _wrong_block_pool(), "in order"),
+    ("ex03.paged_attention", _paged_attention_without_causal_mask, "prefill"),
+    ("ex04.block_hashes", lambda t, B, n=None: [hash((0, tuple(t[i * B:(i + 1) * B])))
+                                                for i in range(len(t) // B if n is None else n)], "blocks"),
+    ("ex04.match", _match_without_last_token_rule, "last token"),
+    ("ex05.try_allocate", _try_allocate_ignoring_revived_hits, "free list"),
+    ("ex05.append_token", _append_token_length_before_stop, "'stop' wins"),
+    ("ex06.split_budget", lambda budget, d, rem, cap: importlib.import_module("minirt.scheduler").split_budget(
+        budget, d, rem, 10**9), "chunk cap"),
+    ("ex06.schedule", _schedule_letting_small_requests_overtake, "head-of-line"),
+]
+
+
+@pytest.mark.parametrize("task,wrong,case_words", WRONG, ids=[w[0] for w in WRONG])
+def test_checker_catches_a_wrong_implementation(task, wrong, case_words, capsys):
+    with pytest.raises(CheckFailed) as info:
+        checks.TASKS[task](wrong)
+    message = str(info.value)
+    assert message.startswith(f"{task} failed on case "), message
+    assert case_words in message, message
+    assert "inputs:" in message and "expected" in message, message
+    assert capsys.readouterr().out == ""          # no PASS line, no noise
+
+
+def test_off_by_one_slot_mapping_names_the_case_expected_and_got():
+    def off_by_one(table, start, end, B):          # shifted one slot: position p goes to p + 1's slot
+        return [table[(p + 1) // B] * B + (p + 1) % B if (p + 1) // B < len(table) else -1 for p in range(start, end)]
+
+    with pytest.raises(CheckFailed) as info:
+        checks.ex03_slot_mapping(off_by_one)
+    msg = str(info.value)
+    assert "case 2/14 'one token'" in msg and "block_table=[5], start=0, end=1, block_size=4" in msg
+    assert "expected 20, got 21" in msg
+
+
+def test_student_prints_are_captured_and_failures_show_them(capsys):
+    def chatty(table, start, end, B):
+        print("debug:", table)
+        return [table[p // B] * B + p % B for p in range(start, end)]
+
+    checks.ex03_slot_mapping(chatty)
+    assert capsys.readouterr().out == "PASS ex03.slot_mapping (14/14 cases)\n"
+
+    def chatty_wrong(table, start, end, B):
+        print("debug: hello")
+        return []
+
+    with pytest.raises(CheckFailed, match="your function printed: 'debug: hello"):
+        checks.ex03_slot_mapping(chatty_wrong)
+
+
+def test_wrong_exception_type_and_unexpected_exception_are_reported():
+    from minirt.generate import left_pad
+
+    def raises_type_error(prompts, pad_id=0):
+        raise TypeError("oops")
+
+    with pytest.raises(CheckFailed, match="your function raised TypeError: oops"):
+        checks.ex02_left_pad(raises_type_error)
+
+    def no_validation(model, prompt_ids, max_new_tokens, eos_token_id=None):
+        return [] if not prompt_ids or max_new_tokens < 1 else \
+            importlib.import_module("minirt.generate").naive_generate(model, prompt_ids, max_new_tokens, eos_token_id)
+
+    with pytest.raises(CheckFailed, match="expected: ValueError to be raised"):
+        checks.ex01_naive_generate(no_validation)
+    assert left_pad  # the reference itself is untouched
