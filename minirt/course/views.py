@@ -1,0 +1,208 @@
+"""Figures and widgets for the chapter notebooks (matplotlib; the widget needs ipywidgets).
+
+* `plot_latency`: per-step latency curves (chapters 01-02).
+* `plot_block_tables`, `block_table_widget`: the KV block pool, block tables and free list as
+  requests come and go (chapters 03-04), from `minirt.course.workloads.StepSnapshot`s.
+* `plot_timeline`: which request sits in which collection at every engine step - a Gantt chart
+  (chapter 05). `plot_step_tokens`: decode and prefill tokens per step, and the step's duration (06).
+
+Every function draws on the given axes (or a new figure) and returns the figure; nothing here
+runs the engine.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch, Rectangle
+
+#: Colors of the engine's collections in timelines.
+STATE_COLORS = {"waiting": "#d9d9d9", "prefilling": "#f28e2b", "running": "#4e79a7"}
+
+
+def request_colors(request_ids) -> dict[str, tuple]:
+    """A stable color per request id, in order of first appearance (tab10, then tab20)."""
+    ids = list(dict.fromkeys(request_ids))
+    cmap = plt.get_cmap("tab10" if len(ids) <= 10 else "tab20")
+    return {rid: cmap(i % cmap.N) for i, rid in enumerate(ids)}
+
+
+def _axes(ax, figsize):
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
+    return ax.figure, ax
+
+
+# ----------------------------------------------------------------------------------- latency
+
+
+def plot_latency(series: dict, ax=None, xlabel: str = "step (generated token index)",
+                 title: str | None = None, logy: bool = False, figsize=(7, 3.5)):
+    """Line plot of per-step latency. series: `{label: (x values, seconds per step)}`; drawn in ms."""
+    fig, ax = _axes(ax, figsize)
+    for label, (x, seconds) in series.items():
+        ax.plot(list(x), [s * 1e3 for s in seconds], label=label, lw=1.2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("ms per step")
+    if logy:
+        ax.set_yscale("log")
+    if title:
+        ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return fig
+
+
+# ----------------------------------------------------------------------------------- block pool
+
+
+ROW_HEIGHT = 1.3      # a row of blocks, in block widths (box, id label, gap)
+
+
+def _pool_shape(num_blocks: int, cols: int | None) -> tuple[int, int]:
+    cols = cols or min(num_blocks, 12)
+    return cols, -(-num_blocks // cols)
+
+
+def draw_pool(ax, snapshot, colors: dict | None = None, cols: int | None = None, text_ax=None):
+    """Draw the block pool of one `StepSnapshot` on `ax`, and its block tables on `text_ax` (if given).
+
+    Each block is a box of `block_size` slots, labelled with its block id. A slot is dark in its
+    owner's color when it holds K/V (computed by the end of the step), light when allocated but still
+    empty. Free blocks are white, labelled with their place in the free list (`f0` is handed out next);
+    free blocks that still hold a prefix-cache hash are grey (a hit can revive them). Blocks shared by
+    several block tables (reference count > 1) are hatched and show the count.
+    """
+    s = snapshot
+    B, N = s.block_size, s.num_blocks
+    cols, rows = _pool_shape(N, cols)
+    colors = colors or request_colors(s.block_tables)
+    owner, filled = {}, {}
+    for rid, table in s.block_tables.items():
+        for i, b in enumerate(table):
+            owner.setdefault(b, rid)
+            filled[b] = max(filled.get(b, 0), min(B, max(0, s.num_computed.get(rid, 0) - i * B)))
+    free_pos = {b: i for i, b in enumerate(s.free_blocks)}
+    cached = set(s.cached_blocks)
+    for b in range(N):
+        x, y = b % cols, (rows - 1 - b // cols) * ROW_HEIGHT
+        if b in owner:
+            for j in range(B):
+                ax.add_patch(Rectangle((x + 0.05 + 0.9 * j / B, y), 0.9 / B, 0.8, lw=0,
+                                       facecolor=colors.get(owner[b], "k"), alpha=1.0 if j < filled[b] else 0.25))
+            shared = s.ref_counts[b] > 1
+            ax.add_patch(Rectangle((x + 0.05, y), 0.9, 0.8, fill=False, lw=1.4 if shared else 0.6,
+                                   hatch="//" if shared else None, edgecolor="k"))
+            if shared:
+                ax.text(x + 0.5, y + 0.4, f"x{s.ref_counts[b]}", ha="center", va="center", fontsize=7,
+                        bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
+        else:
+            ax.add_patch(Rectangle((x + 0.05, y), 0.9, 0.8, facecolor="#dddddd" if b in cached else "white",
+                                   edgecolor="#999999", lw=0.6))
+            if b in free_pos:
+                ax.text(x + 0.5, y + 0.4, f"f{free_pos[b]}", ha="center", va="center", fontsize=7, color="#666666")
+        ax.text(x + 0.07, y + 0.83, str(b), fontsize=7, va="bottom")
+    ax.set_xlim(0, cols)
+    ax.set_ylim(-0.1, rows * ROW_HEIGHT)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(f"step {s.step}", loc="left", fontsize=9)
+    if text_ax is not None:
+        lines = [f"waiting:    {' '.join(s.waiting) or '-'}", f"prefilling: {' '.join(s.prefilling) or '-'}",
+                 f"running:    {' '.join(s.running) or '-'}", "block tables:"]
+        lines += [f"  {rid}: {table}" for rid, table in s.block_tables.items()]
+        text_ax.axis("off")
+        text_ax.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=8, family="monospace",
+                     transform=text_ax.transAxes)
+
+
+def _pool_figure(num_rows: int, num_blocks: int, cols: int | None, width: float, max_tables: int):
+    cols, rows = _pool_shape(num_blocks, cols)
+    grid_w = width * 0.6
+    row_h = max(grid_w * rows * ROW_HEIGHT / cols + 0.4, 0.16 * (max_tables + 5))
+    fig, axes = plt.subplots(num_rows, 2, figsize=(width, row_h * num_rows), squeeze=False,
+                             gridspec_kw=dict(width_ratios=[0.6, 0.4], wspace=0.02))
+    return fig, axes
+
+
+def plot_block_tables(snapshots: list, steps: list[int], cols: int | None = None, width: float = 10.0):
+    """A static figure of the pool at several steps (one row each): what `block_table_widget` shows."""
+    colors = request_colors(rid for s in snapshots for rid in s.block_tables)
+    most = max(len(snapshots[k].block_tables) for k in steps)
+    fig, axes = _pool_figure(len(steps), snapshots[0].num_blocks, cols, width, most)
+    for (ax, text_ax), k in zip(axes, steps):
+        draw_pool(ax, snapshots[k], colors, cols, text_ax)
+    return fig
+
+
+def block_table_widget(snapshots: list, cols: int | None = None, width: float = 10.0):
+    """An ipywidgets slider over the steps of a recording; each move redraws the pool with `draw_pool`."""
+    import ipywidgets as widgets
+
+    colors = request_colors(rid for s in snapshots for rid in s.block_tables)
+    most = max(len(s.block_tables) for s in snapshots)
+    slider = widgets.IntSlider(value=0, min=0, max=len(snapshots) - 1, description="step",
+                               continuous_update=False)
+    out = widgets.Output()
+
+    def redraw(change=None):
+        with out:
+            out.clear_output(wait=True)
+            fig, ((ax, text_ax),) = _pool_figure(1, snapshots[0].num_blocks, cols, width, most)
+            draw_pool(ax, snapshots[slider.value], colors, cols, text_ax)
+            plt.show()
+
+    slider.observe(redraw, names="value")
+    redraw()
+    return widgets.VBox([slider, out])
+
+
+# ----------------------------------------------------------------------------------- engine timeline
+
+
+def plot_timeline(snapshots: list, ax=None, time_axis: bool = False, figsize=(9, 3.5), title: str | None = None):
+    """Gantt chart: one row per request, one cell per engine step, colored by the collection holding it.
+
+    Grey: waiting_queue; orange: prefilling_requests (admitted, prompt being computed); blue:
+    running_requests (decoding). x is the step index, or seconds with `time_axis=True`.
+    """
+    fig, ax = _axes(ax, figsize)
+    # rows in order of arrival: within a step, admitted requests came before the waiting ones
+    order = list(dict.fromkeys(rid for s in snapshots for rid in s.running + s.prefilling + s.waiting))
+    row = {rid: i for i, rid in enumerate(order)}
+    for s in snapshots:
+        x, w = (s.start_s, s.duration_s) if time_axis else (s.step, 1)
+        for state in ("waiting", "prefilling", "running"):
+            for rid in getattr(s, state):
+                ax.add_patch(Rectangle((x, row[rid] - 0.4), w, 0.8, facecolor=STATE_COLORS[state], lw=0))
+    last = snapshots[-1]
+    ax.set_xlim(0, last.end_s if time_axis else last.step + 1)
+    ax.set_ylim(len(order) - 0.5, -0.5)
+    ax.set_yticks(range(len(order)), order)
+    ax.set_xlabel("seconds" if time_axis else "engine step")
+    ax.set_ylabel("request")
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in STATE_COLORS.items()],
+              loc="upper right", fontsize=8, ncol=3)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def plot_step_tokens(snapshots: list, ax=None, figsize=(9, 3.5), title: str | None = None):
+    """Tokens per engine step, decode (blue) and prefill (orange) stacked, with the step's duration (ms)."""
+    fig, ax = _axes(ax, figsize)
+    steps = [s.step for s in snapshots]
+    dec = [s.num_decode_tokens for s in snapshots]
+    pre = [s.num_prefill_tokens for s in snapshots]
+    ax.bar(steps, dec, width=1.0, color=STATE_COLORS["running"], label="decode tokens")
+    ax.bar(steps, pre, width=1.0, bottom=dec, color=STATE_COLORS["prefilling"], label="prefill tokens")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("tokens in the step")
+    ax2 = ax.twinx()
+    ax2.plot(steps, [s.duration_s * 1e3 for s in snapshots], color="k", lw=0.8, label="step time")
+    ax2.set_ylabel("ms")
+    ax2.set_ylim(bottom=0)
+    handles = ax.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax.legend(handles=handles, loc="upper right", fontsize=8)
+    if title:
+        ax.set_title(title)
+    return fig
