@@ -1,0 +1,175 @@
+"""The ``--quiz`` flow of ``scripts/browser_check.py``: a chapter's self-check activities, clicked as a student would.
+
+After ``flow_run_all`` (Run All Cells in JupyterLab), for the chapter's activity cells
+(``minirt.course.activities``, added by ``tools/add_activities.py``):
+
+  1. the quiz widget renders (radio buttons / number boxes) and its static copy is hidden in JupyterLab;
+  2. clicking a wrong answer of the first multiple-choice question shows "Not quite" and its explanation,
+     the right answer of the next one shows "Right."; typing the right number into the first number
+     question and pressing Enter shows "Right."; the quiz's score line and the chapter's score cell
+     both say 2 right at the first try of 3 answered;
+  3. opening the first treasure-hunt answer shows the live source lines with their line numbers;
+  4. the same notebook converted with nbconvert to HTML (no kernel, no widgets) shows the questions as
+     text with every answer folded.
+
+Screenshots: ``06_quiz_before.png``, ``07_quiz_after.png`` (the quiz output), ``08_score.png``,
+``09_hunt_open.png``, ``10_static_html_quiz.png``. Kept in its own module so that the browser
+checker stays one screen of flows; ``browser_check.py --quiz`` appends ``flow_quiz``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+
+def _bc():
+    """browser_check's helpers (whether it runs as __main__ or was imported)."""
+    main = sys.modules.get("__main__")
+    if main is not None and hasattr(main, "scroll_to_cell") and hasattr(main, "JS_PANEL"):
+        return main
+    import browser_check
+    return browser_check
+
+
+def find_cell(ctx, needle: str) -> int | None:
+    bc = _bc()
+    return ctx.page.evaluate("""([path, needle]) => {
+      const panel = (%s)(path);
+      const i = panel.content.widgets.findIndex(c => c.model.type === 'code'
+                                                && c.model.sharedModel.getSource().includes(needle));
+      return i < 0 ? null : i;
+    }""" % bc.JS_PANEL, [ctx.nb_path, needle])
+
+
+def tall_shot(ctx, index: int, name: str, height: int = 2200) -> None:
+    """Screenshot cell `index`'s outputs whole: the notebook scrolls inside the page, so grow the window."""
+    bc = _bc()
+    size = ctx.page.viewport_size
+    ctx.page.set_viewport_size({"width": size["width"], "height": height})
+    try:
+        cell = bc.scroll_to_cell(ctx, index, f"tall-{index}")
+        ctx.page.wait_for_timeout(500)
+        ctx.shot(name, cell.locator(".jp-Cell-outputWrapper"))
+    finally:
+        ctx.page.set_viewport_size(size)
+
+
+def flow_quiz(ctx) -> None:
+    from minirt.course import activities
+
+    bc = _bc()
+    page, report = ctx.page, ctx.report
+    chapter = activities.chapter_id(ctx.nb_path)
+    questions = activities.load(chapter)["quiz"]
+    index = find_cell(ctx, "activities.quiz(")
+    if not report.check(index is not None, "quiz cell present",
+                        f"{chapter}: no cell calls activities.quiz (run tools/add_activities.py)" if index is None
+                        else f"cell {index}"):
+        return
+    cell = bc.scroll_to_cell(ctx, index, "quiz-cell")
+    output = cell.locator(".jp-Cell-outputWrapper")
+    radios = cell.locator(".widget-radio-box input[type=radio]")
+    try:
+        radios.first.wait_for(state="visible", timeout=30_000)
+    except Exception:
+        ctx.shot("06_quiz_page.png")
+        report.check(False, "quiz widget renders", "no radio buttons visible; see 06_quiz_page.png")
+        return
+    static = cell.locator(".minirt-static")
+    report.check(radios.count() == sum(len(q.get("choices", [])) for q in questions)
+                 and static.count() == 1 and not static.is_visible(),
+                 "quiz widget renders", f"{len(questions)} questions, {radios.count()} radio buttons; "
+                 f"static copy present {static.count() == 1}, hidden {not static.is_visible()}")
+    page.wait_for_timeout(300)
+    ctx.shot("06_quiz_before.png", output)
+
+    boxes = cell.locator(".widget-vbox .widget-vbox")         # one VBox per question, in order
+    choice = [i for i, q in enumerate(questions) if q["kind"] == "choice"]
+    number = [i for i, q in enumerate(questions) if q["kind"] == "number"]
+    first, second = choice[0], choice[1]
+    wrong = next(c["text"] for c in questions[first]["choices"] if not c["correct"])
+    right = next(c["text"] for c in questions[second]["choices"] if c["correct"])
+
+    def click(i: int, text: str) -> str:
+        boxes.nth(i).locator(".widget-radio-box label", has_text=activities._plain(text)).first.click()
+        return feedback(i)
+
+    def feedback(i: int) -> str:
+        fb = boxes.nth(i).locator(".widget-html").last
+        bc.wait_for(lambda: fb.inner_text().strip(), 15, f"feedback of question {i + 1}")
+        return " ".join(fb.inner_text().split())
+
+    text = click(first, wrong)
+    report.check(text.startswith("\u2718 Not quite.") and "See the section" in text,
+                 "wrong answer: feedback", f"Q{first + 1} {wrong[:40]!r} -> {text[:110]!r}")
+    text = click(second, right)
+    report.check(text.startswith("\u2714 Right."), "right answer: feedback", f"Q{second + 1} -> {text[:110]!r}")
+    answered = 2
+    if number:
+        n = number[0]
+        box = boxes.nth(n).locator("input[type=text]").first
+        box.fill(f"{questions[n]['answer']:g}")
+        box.press("Enter")
+        text = feedback(n)
+        report.check(text.startswith("\u2714 Right."), "number answer: feedback", f"Q{n + 1} -> {text[:110]!r}")
+        answered += 1
+    expect = f"Score: {answered - 1} / {len(questions)}"
+    label = cell.get_by_text("Score:").last
+    bc.wait_for(lambda: expect in label.inner_text(), 10, "the quiz score to update")
+    report.check(expect in label.inner_text(), "quiz score", " ".join(label.inner_text().split()))
+    tall_shot(ctx, index, "07_quiz_after.png")
+
+    score = find_cell(ctx, "activities.score(")
+    if score is not None:
+        cell = bc.scroll_to_cell(ctx, score, "score-cell")
+        want = f"quiz {answered - 1}/{len(questions)} right at the first try ({answered}/{len(questions)} answered)"
+        with_text = cell.get_by_text("Self-check")
+        try:
+            bc.wait_for(lambda: want in with_text.first.inner_text(), 10, "the score cell to update")
+            ok = True
+        except TimeoutError:
+            ok = False
+        report.check(ok, "chapter score cell", " ".join(with_text.first.inner_text().split())[:160])
+        ctx.shot("08_score.png", cell.locator(".jp-Cell-outputWrapper"))
+
+    hunt = find_cell(ctx, "activities.treasure_hunt(")
+    if hunt is not None:
+        cell = bc.scroll_to_cell(ctx, hunt, "hunt-cell")
+        summary = cell.locator("details > summary", has_text="Answer").first
+        summary.click()
+        pre = cell.locator("details[open] pre").first
+        pre.wait_for(state="visible", timeout=10_000)
+        first_line = pre.inner_text().splitlines()[0]
+        ref = activities.load(chapter)["hunt"][0]
+        live = activities.source_ref(ref["symbol"], ref.get("marker"), ref.get("end_marker"))
+        report.check(first_line.split()[0] == str(live.start), "treasure hunt answer opens",
+                     f"shows {live} from line {first_line.split()[0]}: {first_line.strip()[:70]!r}")
+        page.wait_for_timeout(300)
+        ctx.shot("09_hunt_open.png", cell.locator(".jp-Cell-outputWrapper"))
+
+    # the static render: nbconvert HTML of the committed notebook, opened without a kernel
+    with tempfile.TemporaryDirectory(prefix="minirt_quiz_html_") as tmp:
+        proc = subprocess.run([sys.executable, "-m", "nbconvert", "--to", "html", "--output-dir", tmp,
+                               str(REPO / ctx.nb_path)], capture_output=True, text=True)
+        html_file = Path(tmp) / (Path(ctx.nb_path).stem + ".html")
+        if not report.check(proc.returncode == 0 and html_file.exists(), "nbconvert HTML",
+                            proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""):
+            return
+        page.goto(html_file.as_uri())
+        static = page.locator(".minirt-static").first
+        static.wait_for(state="visible", timeout=10_000)
+        visible_q = sum(page.get_by_text(activities._plain(q["question"])[:50]).first.is_visible()
+                        for q in questions)
+        folded = page.locator(".minirt-static details:not([open])").count()
+        report.check(visible_q == len(questions) and folded == len(questions), "static HTML shows the quiz",
+                     f"{visible_q}/{len(questions)} questions visible, {folded} answers folded")
+        static.scroll_into_view_if_needed()
+        page.wait_for_timeout(300)
+        ctx.shot("10_static_html_quiz.png", static)
