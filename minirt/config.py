@@ -15,6 +15,8 @@ class EngineConfig:
     max_prefill_chunk: the most prompt tokens one request may prefill in one step.
     max_model_len: prompt + max_new_tokens limit (None = the model's max_position_embeddings).
     enable_prefix_caching: share full KV blocks between requests with equal prefixes.
+    attention_backend: "auto" (the Triton kernel on CUDA when it can run, else torch), "torch" (the
+    reference in `minirt.attention`) or "triton" (see `minirt.kernels`).
     """
 
     block_size: int = 16
@@ -24,6 +26,7 @@ class EngineConfig:
     max_prefill_chunk: int = 1024
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    attention_backend: str = "auto"
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):

@@ -31,6 +31,7 @@ from typing import AsyncIterator
 import torch
 
 from minirt.config import EngineConfig
+from minirt.kernels import select_paged_attention
 from minirt.kv.block_pool import BlockPool
 from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
@@ -100,9 +101,10 @@ class Engine:
     def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, device=None, dtype=None,
                  block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_prefill_chunk: int = 1024,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True):
+                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
+                 attention_backend: str = "auto"):
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                                   max_prefill_chunk, max_model_len, enable_prefix_caching)
+                                   max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend)
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config
@@ -118,7 +120,9 @@ class Engine:
             self.config.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         kv_cache = allocate_kv_cache(mc, num_kv_blocks, block_size, self.model.dtype, self.device)
-        self.model_runner = ModelRunner(self.model, kv_cache, block_size)
+        head_dim = kv_cache.shape[-1]
+        kernel = select_paged_attention(attention_backend, self.device, head_dim)
+        self.model_runner = ModelRunner(self.model, kv_cache, block_size, kernel)
         self.pool = BlockPool(num_kv_blocks)
         self.prefix_cache = PrefixCache(self.pool, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.pool, self.prefix_cache)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from minirt.attention import PagedAttention, PagedAttentionMetadata
+from minirt.attention import PagedAttention, PagedAttentionMetadata, paged_attention_reference
 from minirt.kv.paged_cache import slot_mapping
 from minirt.model.decoder import DecoderModel
 from minirt.request import Request
@@ -19,11 +19,13 @@ from minirt.sampling import sample
 class ModelRunner:
     """Owns the model and the KV tensor; knows nothing about scheduling."""
 
-    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int):
+    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int,
+                 attention_kernel=paged_attention_reference):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
+        self.attention_kernel = attention_kernel
 
     def prepare(self, items: list[tuple[Request, int]]):
         """Build `(input_ids [1, N], positions [1, N], metadata, sample_rows)` for the packed batch.
@@ -60,7 +62,7 @@ class ModelRunner:
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
         """Run one step. Returns the requests that got a new token, and those tokens (one host sync)."""
         input_ids, positions, meta, rows, requests = self.prepare(items)
-        hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_cache, meta))
+        hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_cache, meta, self.attention_kernel))
         if not requests:
             return [], []
         logits = self.model.compute_logits(hidden[0, rows])                   # [num_sampled, vocab]

@@ -1,0 +1,29 @@
+"""GPU kernels (optional): used on CUDA when Triton is importable; the torch code in `minirt.attention`
+stays the reference they are tested against."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from minirt.attention import paged_attention_reference
+
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+def select_paged_attention(backend: str, device: torch.device, head_dim: int):
+    """The paged-attention function for an engine: "torch" (the reference), "triton" (the kernel; needs
+    CUDA, Triton and a power-of-two head_dim >= 16), or "auto" (triton where it can run, else torch).
+    Raises ValueError for an unknown name or a "triton" request that cannot run here."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {backend!r}")
+    can_run = (device.type == "cuda" and importlib.util.find_spec("triton") is not None
+               and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+    if backend == "triton" and not can_run:
+        raise ValueError("attention_backend: 'triton' needs a CUDA device, Triton and a power-of-two head_dim >= 16")
+    if backend == "torch" or not can_run:
+        return paged_attention_reference
+    from minirt.kernels.paged_attention_triton import paged_attention_triton
+
+    return paged_attention_triton
