@@ -97,12 +97,16 @@ def main(argv: list[str] | None = None) -> int:
     gen = sub.add_parser("generate", help="complete one prompt, streaming the text")
     gen.add_argument("prompt")
     _engine_args(gen)
+    from minirt import bench
     from minirt.course import grading
 
     grading.add_parser(sub)
+    bench.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "grade":
         return grading.run(args)
+    if args.command == "bench":
+        return bench.run(args)
     try:
         return asyncio.run(_demo(args) if args.command == "demo" else _generate(args))
     except (ValueError, FileNotFoundError) as e:

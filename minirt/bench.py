@@ -1,0 +1,416 @@
+"""Benchmark minirt against `transformers` in one run: `python -m minirt bench [--device cuda|cpu] ...`.
+
+Every system runs the same prompts (random token ids, seeded), greedy, EOS ignored, after a warm-up:
+
+* minirt: `minirt.LLM.generate`, all requests submitted at once; TTFT/TPOT from `RequestOutput.metrics`.
+* hf_generate: `transformers` `generate`, static batching (left-padded batches, `do_sample=False`, EOS off).
+  It returns only when its batch is done, so its TTFT is derived: the time its batch started (batches run
+  one after the other) plus that batch's prefill, timed with a 1-token `generate` after the run; its TPOT
+  is (batch time - prefill) / (new tokens - 1).
+* hf_generate_batch: `transformers` continuous batching with paged attention (`generate_batch`), timed by
+  its per-token timestamps (`record_timestamps=True`) from each request's creation; wall time runs from
+  the first creation to the last token, so the manager's setup (cache allocation, CUDA-graph capture) is
+  left out, as minirt's engine construction is.
+
+Figures (`minirt.metrics.summarize` for all three): output tokens/s = all output tokens / wall time, TTFT
+and TPOT p50/p99 in seconds, and on the batch-1 latency workload the fraction of the bandwidth roofline,
+(weight bytes / TPOT p50) / copy bandwidth. The copy bandwidth counts read + write (2 x the size of a
+device-to-device `copy_`): bytes moved through memory per second, as a decode step's weight reads are.
+KV-cache reads are not counted, which makes the fraction conservative.
+
+The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)` runs them standalone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.metadata
+import json
+import os
+import platform
+import random
+import sys
+import tempfile
+import time
+
+import torch
+
+# Qwen3-0.6B's configuration (Qwen/Qwen3-0.6B config.json), built with random weights: no download needed.
+QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+              "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
+              "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+              "attention_bias": False, "hidden_act": "silu", "bos_token_id": 151643, "eos_token_id": 151645}
+# (requests, (shortest, longest prompt), new tokens per request), by (device type, quick); lengths uniform.
+WORKLOADS = {
+    ("cuda", False): {"throughput": (256, (100, 1024), 512), "latency": (1, (512, 512), 256)},
+    ("cuda", True): {"throughput": (32, (100, 1024), 64), "latency": (1, (512, 512), 128)},
+    ("cpu", False): {"throughput": (16, (16, 128), 64), "latency": (1, (256, 256), 128)},
+    ("cpu", True): {"throughput": (4, (8, 32), 8), "latency": (1, (16, 16), 8)},
+}
+BASELINES = {"cuda": ("hf_generate", "hf_generate_batch"), "cpu": ("hf_generate",)}
+# (workload, ratio, target). Ratios: minirt tokens/s / a baseline's ("tokens_per_s_vs_<baseline>"), and
+# minirt's "roofline_fraction" on the latency workload.
+TARGETS = {"cuda": [("throughput", "tokens_per_s_vs_hf_generate_batch", 25.0), ("latency", "roofline_fraction", 0.6)],
+           "cpu": [("throughput", "tokens_per_s_vs_hf_generate", 2.0)]}
+GUARD_PROMPTS, GUARD_TOKENS, WARMUP_REQUESTS, WARMUP_TOKENS = 4, 32, 8, 8
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def make_prompts(num: int, lengths: tuple[int, int], vocab: int, seed: int) -> list[list[int]]:
+    """`num` prompts of random token ids in [1, vocab), lengths uniform in `lengths` (inclusive)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(*lengths))] for _ in range(num)]
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int = 10) -> dict:
+    """Bytes/s of a device-to-device `copy_` of `nbytes`, counting read + write; median of `iters` copies.
+    Timed with CUDA events on a GPU, `time.perf_counter` on the CPU."""
+    src = torch.ones(nbytes // 4, dtype=torch.float32, device=device)   # written, so the CPU reads real pages
+    dst = torch.zeros_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t)
+    seconds = sorted(times)[len(times) // 2]
+    del src, dst
+    free_memory()
+    return {"bytes_copied": nbytes, "bytes_moved": 2 * nbytes, "seconds": seconds, "bytes_per_s": 2 * nbytes / seconds}
+
+
+def summarize_latencies(ttft, tpot, e2e, tokens, wall: float, how: str) -> dict:
+    """`minirt.metrics.summarize` of per-request latencies (seconds) measured outside minirt."""
+    from minirt.metrics import summarize
+    from minirt.request import RequestMetrics, RequestOutput
+
+    outs = [RequestOutput(f"req-{i}", None, [], t, "", "length", metrics=RequestMetrics(queue_s=None, ttft_s=a,
+                          tpot_s=b, e2e_s=c)) for i, (a, b, c, t) in enumerate(zip(ttft, tpot, e2e, tokens))]
+    return {**summarize(outs, wall), "how": how}
+
+
+# ---------------------------------------------------------------------------------------------- the three systems
+def run_minirt(llm, prompts: list[list[int]], n: int, device: torch.device) -> tuple[dict, list[list[int]]]:
+    from minirt.metrics import summarize
+    from minirt.sampling import SamplingParams
+
+    sync(device)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
+    sync(device)
+    wall = time.perf_counter() - start
+    bad = [f"{o.request_id}: {o.finish_reason} {o.error or ''}" for o in outs if len(o.token_ids) != n]
+    if bad:
+        raise RuntimeError(f"minirt: {len(bad)} requests did not generate {n} tokens: {bad[:3]}")
+    return {**summarize(outs, wall), "how": "RequestOutput.metrics"}, [o.token_ids for o in outs]
+
+
+def hf_generate(model, prompts: list[list[int]], n: int, device: torch.device, max_batch: int | None = None
+                ) -> tuple[list[list[float]], list[list[int]]]:
+    """`n` greedy tokens per prompt from transformers' static-batch `generate`, EOS off, left padding.
+
+    Batches of `max_batch` prompts (all by default; halved on out-of-memory) run one after the other.
+    Returns one row per batch, [start, total, prefill, batch size] (seconds from the run's start; the
+    prefill is a 1-token `generate` of the batch, timed after the run), and the generated ids per prompt.
+    """
+    max_batch = max_batch or len(prompts)
+    while True:
+        try:
+            return _hf_static_batches(model, prompts, n, device, max_batch)
+        except torch.OutOfMemoryError:
+            if max_batch == 1:
+                raise
+            max_batch = (max_batch + 1) // 2
+            print(f"hf_generate: out of memory, retrying with batches of {max_batch}", file=sys.stderr)
+            free_memory()
+
+
+@torch.inference_mode()
+def _hf_static_batches(model, prompts, n, device, max_batch):
+    def call(batch, new_tokens):
+        width = max(len(p) for p in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, p in enumerate(batch):
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        return out[:, width:].tolist()
+
+    batches = [prompts[i:i + max_batch] for i in range(0, len(prompts), max_batch)]
+    rows, tokens = [], []
+    sync(device)
+    t0 = time.perf_counter()
+    for batch in batches:
+        start = time.perf_counter()
+        tokens += call(batch, n)
+        sync(device)
+        rows.append([start - t0, time.perf_counter() - start])
+    for row, batch in zip(rows, batches):
+        start = time.perf_counter()
+        call(batch, 1)
+        sync(device)
+        row += [time.perf_counter() - start, len(batch)]
+    return rows, tokens
+
+
+def run_hf_generate(model, prompts, n, device) -> dict:
+    rows, tokens = hf_generate(model, prompts, n, device)
+    if any(len(t) != n for t in tokens):
+        raise RuntimeError(f"generate: a batch stopped before {n} tokens")
+    ttft, tpot, e2e = [], [], []
+    for start, total, prefill, size in rows:
+        ttft += [start + prefill] * size
+        tpot += [(total - prefill) / (n - 1) if n > 1 else None] * size
+        e2e += [start + total] * size
+    fig = summarize_latencies(ttft, tpot, e2e, tokens, rows[-1][0] + rows[-1][1],
+                              "TTFT = batch start + its 1-token generate; TPOT = (batch time - that) / (n - 1)")
+    return {**fig, "batch_size": rows[0][3]}
+
+
+def run_hf_generate_batch(model, prompts, n, device=None) -> dict:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=-1, pad_token_id=0)  # -1: EOS off
+    start = time.perf_counter()
+    outs = list(model.generate_batch(inputs=prompts, generation_config=config, record_timestamps=True).values())
+    call_wall = time.perf_counter() - start
+    errors = [f"{o.request_id}: {o.error or f'{len(o.generated_tokens)} tokens'}" for o in outs
+              if o.error or len(o.generated_tokens) != n]
+    if errors or len(outs) != len(prompts):
+        raise RuntimeError(f"generate_batch: {len(outs)} results for {len(prompts)} prompts; {errors[:3]}")
+    fig = summarize_latencies([o.timestamps[0] - o.created_time for o in outs],
+                              [(o.timestamps[-1] - o.timestamps[0]) / (n - 1) if n > 1 else None for o in outs],
+                              [o.timestamps[-1] - o.created_time for o in outs], [o.generated_tokens for o in outs],
+                              max(o.timestamps[-1] for o in outs) - min(o.created_time for o in outs),
+                              "per-token timestamps from request creation; wall = first creation -> last token")
+    # how long the first step waited after the first request was created (the loop thread's start-up)
+    first_step_delay = min(o.lifespan[0] for o in outs) - min(o.created_time for o in outs)
+    return {**fig, "call_wall_time_s": call_wall, "first_step_delay_s": first_step_delay}
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def build_random_qwen3(path: str, device: torch.device, seed: int) -> str:
+    """Save a Qwen3-0.6B-configured model with random bfloat16 weights (built by transformers) to `path`."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_0_6B), dtype=torch.bfloat16)
+    model.save_pretrained(path)
+    del model
+    free_memory()
+    return path
+
+
+def environment(device: torch.device) -> tuple[dict, dict]:
+    """(device: type, name, threads, load average; versions of python, torch, transformers, triton, ...)."""
+    import transformers
+
+    import minirt
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    if device.type == "cpu" and os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
+    versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
+                "transformers": transformers.__version__, "minirt": minirt.__version__}
+    for package in ("triton", "flash-attn"):
+        try:
+            versions[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            versions[package] = None
+    return ({"type": device.type, "name": name, "num_threads": torch.get_num_threads(),
+             "load_average_1min": os.getloadavg()[0]}, versions)
+
+
+def agreement(mine: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Greedy-token agreement: the fraction of prompts with equal tokens, the mean common-prefix fraction."""
+    def prefix(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) / max(len(b), 1)
+
+    return {"num_prompts": len(theirs), "max_new_tokens": len(theirs[0]),
+            "exact_match": sum(a == b for a, b in zip(mine, theirs)) / len(theirs),
+            "prefix_agreement": sum(prefix(a, b) for a, b in zip(mine, theirs)) / len(theirs)}
+
+
+def compute_ratios(results: dict, device_type: str) -> list[dict]:
+    """minirt / baseline output tokens/s for each workload and baseline; minirt's roofline fraction (latency)."""
+    targets = {(w, name): t for w, name, t in TARGETS[device_type]}
+    ratios = []
+    for workload, systems in results.items():
+        mine = systems["minirt"]
+        values = {f"tokens_per_s_vs_{b}": None if "error" in fig else mine["output_tokens_per_s"] /
+                  fig["output_tokens_per_s"] for b, fig in systems.items() if b != "minirt"}
+        if workload == "latency":
+            values["roofline_fraction"] = mine.get("roofline_fraction")
+        for name, value in values.items():
+            target = targets.get((workload, name))
+            status = None if target is None else "n/a" if value is None else "PASS" if value >= target else "MISS"
+            ratios.append({"workload": workload, "name": name, "value": value, "target": target, "status": status})
+    return ratios
+
+
+def bench(device: torch.device, workloads: list[str], quick: bool = False, model: str | None = None,
+          baselines: tuple[str, ...] = ("hf_generate",), seed: int = 0) -> dict:
+    """Run minirt and the baselines on each workload; returns the report that `run` writes as JSON."""
+    from transformers import AutoModelForCausalLM
+
+    import minirt
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    settings = {w: dict(zip(("num_requests", "prompt_len", "max_new_tokens"), WORKLOADS[device.type, quick][w]))
+                for w in workloads}
+    dev, versions = environment(device)
+    report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "settings": {"quick": quick, "seed": seed, "dtype": str(dtype).removeprefix("torch."),
+                           "baselines": list(baselines), "workloads": settings},
+              "bandwidth": copy_bandwidth(device, 2**31 if device.type == "cuda" else 2**28)}
+    results = {w: {} for w in workloads}
+    with tempfile.TemporaryDirectory() as tmp:
+        if model is None and device.type == "cuda":
+            model = build_random_qwen3(tmp, device, seed)
+            report["model"] = {"name": "Qwen3-0.6B configuration, random weights", "config": QWEN3_0_6B}
+        else:
+            model = str(model or minirt.DEFAULT_MODEL)
+            report["model"] = {"name": os.path.basename(os.path.normpath(model)), "path": model}
+
+        llm = minirt.LLM(model, device=device, dtype=dtype)
+        vocab = llm.engine.model.config.vocab_size
+        report["model"]["weight_bytes"] = weight_bytes = sum(p.numel() * p.element_size()
+                                                             for p in llm.engine.model.parameters())
+        prompts = {w: make_prompts(s["num_requests"], s["prompt_len"], vocab, seed + i)
+                   for i, (w, s) in enumerate(settings.items())}
+        warmup = {w: (make_prompts(min(s["num_requests"], WARMUP_REQUESTS), s["prompt_len"], vocab, seed + 100 + i),
+                      min(WARMUP_TOKENS, s["max_new_tokens"])) for i, (w, s) in enumerate(settings.items())}
+        first = next(iter(settings.values()))
+        guard = (make_prompts(GUARD_PROMPTS, first["prompt_len"], vocab, seed + 200),
+                 min(GUARD_TOKENS, first["max_new_tokens"]))
+        _, guard_tokens = run_minirt(llm, *guard, device)
+        for w, s in settings.items():
+            run_minirt(llm, *warmup[w], device)
+            results[w]["minirt"], _ = run_minirt(llm, prompts[w], s["max_new_tokens"], device)
+        del llm
+        free_memory()
+
+        hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
+        hf.generation_config.eos_token_id = None       # else generate() falls back to the checkpoint's EOS
+        _, hf_guard_tokens = hf_generate(hf, *guard, device, max_batch=1)
+        report["correctness"] = agreement(guard_tokens, hf_guard_tokens)
+        runners = {"hf_generate": run_hf_generate, "hf_generate_batch": run_hf_generate_batch}
+        for w, s in settings.items():
+            for b in baselines:
+                try:
+                    runners[b](hf, *warmup[w], device)
+                    results[w][b] = runners[b](hf, prompts[w], s["max_new_tokens"], device)
+                except Exception as e:  # noqa: BLE001 - a baseline that cannot run is recorded, not fatal
+                    results[w][b] = {"error": f"{type(e).__name__}: {str(e)[:500]}"}
+                free_memory()
+        del hf
+        free_memory()
+    for fig in results.get("latency", {}).values():
+        if fig.get("tpot_p50_s"):
+            fig["roofline_fraction"] = weight_bytes / fig["tpot_p50_s"] / report["bandwidth"]["bytes_per_s"]
+    report["results"] = results
+    report["ratios"] = compute_ratios(results, device.type)
+    return report
+
+
+def format_report(report: dict) -> str:
+    from minirt.metrics import format_table
+
+    keys = ["num_requests", "output_tokens", "wall_time_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+            "tpot_p50_s", "tpot_p99_s"]
+    rows = [[w, name, *(fig.get(k) for k in keys),
+             fig["error"][:60] if "error" in fig else fig.get("roofline_fraction")]
+            for w, systems in report["results"].items() for name, fig in systems.items()]
+    table = format_table(["workload", "system", "requests", "out tok", "wall s", "tok/s", "TTFT p50", "TTFT p99",
+                          "TPOT p50", "TPOT p99", "roofline / error"], rows)
+    ratios = format_table(["workload", "ratio", "value", "target", "status"],
+                          [[r["workload"], r["name"], r["value"], r["target"], r["status"] or ""]
+                           for r in report["ratios"]])
+    d, m, c = report["device"], report["model"], report["correctness"]
+    return (f"{d['name']} ({d['type']}, {d['num_threads']} threads, load {d['load_average_1min']:.1f}); {m['name']}, "
+            f"{report['settings']['dtype']}, {m['weight_bytes'] / 1e9:.3f} GB of weights\n"
+            f"copy bandwidth (read + write): {report['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s\n"
+            f"greedy tokens equal to transformers' on {c['num_prompts']} prompts x {c['max_new_tokens']} tokens: "
+            f"{c['exact_match']:.0%} of prompts, common prefix {c['prefix_agreement']:.0%}\n\n{table}\n\n{ratios}")
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the `bench` subcommand to an argparse subparsers object (`python -m minirt bench ...`)."""
+    p = subparsers.add_parser("bench", help="benchmark minirt against transformers generate / generate_batch",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--workload", choices=["throughput", "latency", "all"], default="all")
+    p.add_argument("--quick", action="store_true", help="small workloads, for smoke runs")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results"), help="directory of the JSON report")
+    p.add_argument("--model", default=None,
+                   help="HF-format checkpoint (default: random Qwen3-0.6B on cuda, the embedded model on cpu)")
+    p.add_argument("--baselines", default=None,
+                   help="comma-separated hf_generate,hf_generate_batch (default: both on cuda, hf_generate on cpu)")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def run(args) -> int:
+    """Run `bench`: print the tables, write the JSON report. Exit status 1 if minirt's greedy tokens differ
+    from transformers' in float32 (the correctness guard), 2 on bad arguments."""
+    device = torch.device(args.device)
+    baselines = tuple(args.baselines.split(",")) if args.baselines else BASELINES[device.type]
+    unknown = set(baselines) - {"hf_generate", "hf_generate_batch"}
+    if unknown or (device.type == "cuda" and not torch.cuda.is_available()):
+        print(f"error: {f'unknown baselines {sorted(unknown)}' if unknown else 'CUDA is not available'}",
+              file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")     # everything is local: fail fast rather than wait on a network
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
+    report = bench(device, workloads, args.quick, args.model, baselines, args.seed)
+    print(format_report(report))
+    os.makedirs(args.out, exist_ok=True)
+    parts = [device.type, "quick" if args.quick else "", "" if args.workload == "all" else args.workload,
+             str(datetime.date.today())]
+    path = os.path.join(args.out, "-".join(p for p in parts if p) + ".json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {path}")
+    if report["settings"]["dtype"] == "float32" and report["correctness"]["exact_match"] < 1:
+        print("FAIL: minirt's greedy tokens differ from transformers' in float32", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minirt.bench")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    return run(parser.parse_args(["bench", *(sys.argv[1:] if argv is None else argv)]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

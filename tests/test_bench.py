@@ -1,0 +1,86 @@
+"""`python -m minirt bench` in CPU mode, tiny `--quick` workloads, run as a user would (subprocess).
+
+Checks the JSON report's fields, that every ratio and derived figure follows from the measured numbers,
+and that the tables print. No timing thresholds: the figures depend on the machine.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SYSTEM_FIELDS = ("num_requests", "output_tokens", "wall_time_s", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+                 "tpot_p50_s", "tpot_p99_s", "how")
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", "--quick", "--threads", "1",
+                           "--out", str(out)], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list(out.glob("cpu-quick-*.json"))
+    assert len(files) == 1, files
+    return proc.stdout, json.loads(files[0].read_text())
+
+
+def test_report_fields(bench_run):
+    _, report = bench_run
+    assert report["device"]["type"] == "cpu" and report["device"]["name"] and report["device"]["num_threads"] == 1
+    for package in ("python", "torch", "transformers", "triton", "minirt"):
+        assert package in report["versions"]
+    assert report["settings"]["quick"] is True and report["settings"]["dtype"] == "float32"
+    assert set(report["settings"]["workloads"]) == {"throughput", "latency"}
+    assert report["model"]["weight_bytes"] > 0 and report["bandwidth"]["bytes_per_s"] > 0
+    assert report["correctness"]["exact_match"] == 1.0      # float32: token-for-token equal to transformers
+    for workload, settings in report["settings"]["workloads"].items():
+        systems = report["results"][workload]
+        assert set(systems) == {"minirt", "hf_generate"}
+        for name, fig in systems.items():
+            assert "error" not in fig, (workload, name, fig.get("error"))
+            for field in SYSTEM_FIELDS:
+                assert fig[field] is not None, (workload, name, field)
+            assert fig["num_requests"] == settings["num_requests"]
+            assert fig["output_tokens"] == settings["num_requests"] * settings["max_new_tokens"]
+
+
+def test_ratios_follow_from_the_measured_numbers(bench_run):
+    _, report = bench_run
+    results = report["results"]
+    bandwidth = report["bandwidth"]["bytes_moved"] / report["bandwidth"]["seconds"]
+    assert report["bandwidth"]["bytes_per_s"] == pytest.approx(bandwidth)
+    for systems in results.values():
+        for fig in systems.values():
+            assert fig["output_tokens_per_s"] == pytest.approx(fig["output_tokens"] / fig["wall_time_s"])
+    for fig in results["latency"].values():
+        assert fig["roofline_fraction"] == pytest.approx(
+            report["model"]["weight_bytes"] / fig["tpot_p50_s"] / bandwidth)
+    ratios = {(r["workload"], r["name"]): r for r in report["ratios"]}
+    expected = {(w, "tokens_per_s_vs_hf_generate"): results[w]["minirt"]["output_tokens_per_s"]
+                / results[w]["hf_generate"]["output_tokens_per_s"] for w in results}
+    expected["latency", "roofline_fraction"] = results["latency"]["minirt"]["roofline_fraction"]
+    assert set(ratios) == set(expected)
+    for key, value in expected.items():
+        r = ratios[key]
+        assert r["value"] == pytest.approx(value), key
+        if r["target"] is None:
+            assert r["status"] is None
+        else:
+            assert r["status"] == ("PASS" if value >= r["target"] else "MISS"), key
+    assert ratios["throughput", "tokens_per_s_vs_hf_generate"]["target"] == 2.0
+
+
+def test_tables_print(bench_run):
+    stdout, report = bench_run
+    assert "copy bandwidth" in stdout and "greedy tokens equal" in stdout
+    header = next(line for line in stdout.splitlines() if line.startswith("workload") and "system" in line)
+    for column in ("tok/s", "TTFT p50", "TPOT p99", "roofline"):
+        assert column in header
+    for workload, systems in report["results"].items():
+        for name in systems:
+            assert any(line.split()[:2] == [workload, name] for line in stdout.splitlines()), (workload, name)
+    assert any("tokens_per_s_vs_hf_generate" in line and ("PASS" in line or "MISS" in line)
+               for line in stdout.splitlines())
