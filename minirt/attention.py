@@ -100,6 +100,15 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     v_cache.view(-1, *v_cache.shape[2:])[slot_mapping] = v
 
 
+def gather_slots(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache `[num_blocks, block_size, Hkv, D]`, slots `[...]` -> `[..., Hkv, D]`, the K or V in those slots.
+
+    `index_select` rather than `cache[slots]`: the same copy, about 3x faster on the CPU.
+    """
+    flat = cache.view(-1, *cache.shape[2:])
+    return flat.index_select(0, slots.flatten()).view(*slots.shape, *cache.shape[2:])
+
+
 def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                               meta: PagedAttentionMetadata) -> torch.Tensor:
     """Attention of packed queries over their sequences' paged K/V, in plain torch.
@@ -118,8 +127,8 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     pos = torch.arange(meta.max_context_len, device=device)
     blocks = meta.block_tables[:, pos // block_size]                      # [S, max_ctx]
     slots = blocks * block_size + pos % block_size
-    k = k_cache.view(-1, *k_cache.shape[2:])[slots]                        # [S, max_ctx, Hkv, D]
-    v = v_cache.view(-1, *v_cache.shape[2:])[slots]
+    k = gather_slots(k_cache, slots)                                        # [S, max_ctx, Hkv, D]
+    v = gather_slots(v_cache, slots)
 
     # Unpack the queries into [S, max_q, H, D].
     qi = torch.arange(meta.max_query_len, device=device)
