@@ -39,10 +39,14 @@ async def _demo(args) -> int:
     from minirt.engine import Engine
     from minirt.metrics import format_table, summarize
 
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError(f"--num-prompts: must be >= 1, got {args.num_prompts}")
     with open(DEMO_PROMPTS) as f:
         prompts = json.load(f)[: args.num_prompts]
-    engine = Engine(args.model, device=args.device, dtype=args.dtype)
     params = [_params(args, i) for i in range(len(prompts))]
+    engine = Engine(args.model, device=args.device, dtype=args.dtype)
+    for prompt, p in zip(prompts, params):
+        engine.validate(prompt, p)          # refuse bad settings before anything is shown
     print(f"minirt demo: {len(prompts)} prompts on {engine.device} ({engine.model.dtype}), "
           f"{engine.pool.num_blocks} KV blocks of {engine.config.block_size} tokens", flush=True)
     async with engine:
@@ -74,17 +78,20 @@ async def _demo(args) -> int:
 async def _generate(args) -> int:
     from minirt.engine import Engine
 
+    params = _params(args)
     engine = Engine(args.model, device=args.device, dtype=args.dtype)
+    engine.validate(args.prompt, params)    # refuse bad input before echoing the prompt
     async with engine:
         sys.stdout.write(args.prompt)
-        async for delta in engine.stream(args.prompt, _params(args)):
+        async for delta in engine.stream(args.prompt, params):
             sys.stdout.write(delta.text)
             sys.stdout.flush()
             if delta.finished:
                 out = delta.output
     m = out.metrics
-    print(f"\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, TTFT {m.ttft_s:.4f} s"
-          + (f", TPOT {m.tpot_s:.4f} s]" if m.tpot_s is not None else "]"))
+    print()
+    print(f"[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}, TTFT {m.ttft_s:.4f} s"
+          + (f", TPOT {m.tpot_s:.4f} s]" if m.tpot_s is not None else "]"), file=sys.stderr)
     return 0
 
 
@@ -112,3 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130

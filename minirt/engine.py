@@ -198,7 +198,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this checkpoint has no tokenizer; pass token ids (a list of int)")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False)
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
         if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return None, list(prompt)
         raise ValueError(f"prompt: must be a str or a list of int token ids, got {type(prompt).__name__}")
@@ -226,6 +226,9 @@ class Engine:
         if need > self.pool.num_blocks:
             raise ValueError(f"prompt + max_new_tokens: {total} tokens need {need} KV blocks of {cfg.block_size}, "
                              f"more than the whole pool (num_kv_blocks = {self.pool.num_blocks})")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise ValueError(f"stop_token_ids: {bad_stop[0]} is outside the vocabulary [0, {vocab})")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: stop strings need a tokenizer, and this checkpoint has none")
         if request_id is not None:

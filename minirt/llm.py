@@ -7,8 +7,8 @@ request is done. Inside Jupyter (where a loop is already running) the loop runs 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import os
+import threading
 
 from minirt.engine import DEFAULT_MODEL, Engine
 from minirt.request import RequestOutput
@@ -16,13 +16,41 @@ from minirt.sampling import SamplingParams
 
 
 def run_sync(coro):
-    """Run a coroutine to completion from synchronous code, even under a running event loop."""
+    """Run a coroutine to completion from synchronous code, even under a running event loop.
+
+    Under a running loop (Jupyter) the coroutine gets its own loop on a helper thread; an interrupt
+    (Ctrl-C, Jupyter's "interrupt kernel") cancels it there, which aborts its requests between two
+    engine steps, and is then re-raised here.
+    """
     try:
         asyncio.get_running_loop()
     except RuntimeError:
         return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(coro)
+    outcome: dict = {}
+    done = threading.Event()   # not Thread.join: an interrupted join() can leave the thread marked stopped
+
+    def run():
+        try:
+            outcome["result"] = loop.run_until_complete(task)
+        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
+            outcome["error"] = e
+        finally:
+            loop.close()
+            done.set()
+
+    threading.Thread(target=run, name="minirt-llm", daemon=True).start()
+    try:
+        while not done.wait(0.05):
+            pass
+    except KeyboardInterrupt:
+        loop.call_soon_threadsafe(task.cancel)
+        done.wait()
+        raise
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["result"]
 
 
 def normalize_prompts(prompts) -> list:
@@ -60,10 +88,13 @@ class LLM:
         prompts = normalize_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
-        else:
+        elif isinstance(sampling_params, (list, tuple)):
             params = list(sampling_params)
-            if len(params) != len(prompts):
-                raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        else:
+            raise ValueError("sampling_params: must be a minirt.SamplingParams or a list of them, "
+                             f"got {type(sampling_params).__name__}")
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
         for prompt, p in zip(prompts, params):
             self.engine.validate(prompt, p)
 

@@ -49,8 +49,8 @@ class SamplingParams:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k: must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed: must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < 2**63):
+            raise ValueError(f"seed: must be an integer in [0, 2**63) or None, got {self.seed!r}")
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (tuple, list)) or not all(isinstance(s, str) and s for s in stop):
             raise ValueError(f"stop: must be a string or a sequence of non-empty strings, got {self.stop!r}")

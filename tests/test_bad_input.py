@@ -122,3 +122,20 @@ def test_bad_request_ids_and_timeouts(tiny_models, engine_kw):
 def test_bad_engine_settings(tiny_models, field, value):
     with pytest.raises(ValueError, match=field):
         minirt.Engine(tiny_models["llama"], **{field: value})
+
+
+@pytest.mark.parametrize("device,words", [("cuda:99", "device: 'cuda:99'"), ("foo", "device: expected 'cpu'"),
+                                          ("meta", "device: expected 'cpu'")])
+def test_bad_device_named(tiny_models, device, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(")):
+        minirt.LLM(tiny_models["llama"], device=device)
+
+
+def test_llm_sampling_params_of_the_wrong_type(tiny_models):
+    llm = minirt.LLM(tiny_models["llama"], dtype="float32")
+    with pytest.raises(ValueError, match="sampling_params: must be a minirt.SamplingParams or a list of them, got dict"):
+        llm.generate([[1, 2]], {"max_new_tokens": 3})
+    with pytest.raises(ValueError, match=r"stop_token_ids: 100000 is outside the vocabulary \[0, 512\)"):
+        llm.generate([[1, 2]], minirt.SamplingParams(stop_token_ids=[100000]))
+    with pytest.raises(ValueError, match=r"seed: must be an integer in \[0, 2\*\*63\)"):
+        minirt.SamplingParams(seed=2**70)

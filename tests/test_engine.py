@@ -327,3 +327,39 @@ def test_stress_invariants_with_timeouts_cancels_and_preemption(tiny_models, see
                 check()
 
     asyncio.run(main())
+
+
+def test_interrupting_llm_generate_under_a_running_loop_stops_it(tiny_models):
+    """As in Jupyter: `LLM.generate` called from inside a running event loop, then "interrupt kernel"
+    (SIGINT -> KeyboardInterrupt in the main thread). The generation stops within a few steps, every
+    request is aborted and every block is free, and the next call works."""
+    import os
+    import signal
+    import time
+
+    llm = minirt.LLM(model=tiny_models["llama"], dtype="float32", block_size=4)
+    prompts = random_prompts(1200, [5, 9, 13])
+    full = minirt.SamplingParams(max_new_tokens=400, ignore_eos=True)
+
+    async def cell():            # a notebook cell: synchronous code on the kernel's running loop
+        return llm.generate(prompts, full)
+
+    def interrupt_at_step_20(engine, batch):   # the user presses "interrupt" while it generates
+        if engine.num_steps == 20:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    llm.engine.step_callbacks.append(interrupt_at_step_20)
+    loop = asyncio.new_event_loop()          # no asyncio.run: it would turn SIGINT into a task cancel
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        loop.run_until_complete(cell())
+    llm.engine.step_callbacks.clear()
+    elapsed = time.perf_counter() - start
+    loop.close()
+    stats = llm.engine.stats()
+    assert stats["num_steps"] < 400, "the generation ran to the end before the interrupt was seen"
+    assert elapsed < 30
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["num_waiting"] == stats["num_prefilling"] == stats["num_running"] == 0
+    outs = llm.generate(prompts, minirt.SamplingParams(max_new_tokens=3, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_models["llama"], p, 3) for p in prompts]

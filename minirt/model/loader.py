@@ -40,10 +40,24 @@ def resolve_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torc
 
 
 def resolve_device(device: torch.device | str | None) -> torch.device:
-    """None picks CUDA when available, else the CPU."""
+    """None picks CUDA when available, else the CPU. Raises ValueError for anything but an available
+    "cpu" or "cuda[:index]"."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:index]', got {device!r}") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"device: expected 'cpu' or 'cuda[:index]', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} asked for, but torch.cuda.is_available() is False "
+                         "(no GPU, or a CPU-only torch build); use device='cpu'")
+    if dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device: {device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) exist")
+    return dev
 
 
 def resolve_checkpoint(model: str | os.PathLike) -> Path:
