@@ -135,7 +135,8 @@ def _diff(expected: Any, got: Any, path: str = "result") -> str | None:
                     f"\n  whole value got:      {_short(got)}")
         if len(got) != len(expected):
             i = min(len(got), len(expected))
-            extra = f"; first extra item: {_short(expected[i] if len(expected) > i else got[i])}"
+            extra = (f"; first missing item: {_short(expected[i])}" if len(expected) > i
+                     else f"; first extra item: {_short(got[i])}")
             return (f"{path}: expected length {len(expected)}, got length {len(got)} (the first {i} items agree"
                     f"{extra})\n  whole value expected: {_short(expected)}\n  whole value got:      {_short(got)}")
         return None

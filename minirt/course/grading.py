@@ -319,6 +319,10 @@ def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFA
             nb = nbformat.read(path, as_version=4)
         except Exception as e:  # noqa: BLE001 - unreadable file: no points, say why
             row["status"] = f"unreadable notebook: {type(e).__name__}: {str(e)[:200]}"
+            exercise = _exercise_of(nbformat.v4.new_notebook(), path, specs)   # from the file name, if it says
+            if exercise is not None:
+                row["exercise"], row["max"] = exercise, sum(s.points for s in specs[exercise])
+                row["scores"] = {s.task: 0.0 for s in specs[exercise]}
             _progress(verbose, row)
             continue
         exercise = _exercise_of(nb, path, specs)
