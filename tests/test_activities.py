@@ -355,8 +355,8 @@ def test_add_activities_is_idempotent_and_replaces(tmp_path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_chapter_activities_are_current(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
-    if not any(add_activities.is_activity(c) for c in nb.cells):
-        pytest.skip(f"{path.name} has no activities yet: run tools/add_activities.py {path.relative_to(ROOT)}")
+    assert any(add_activities.is_activity(c) for c in nb.cells), \
+        f"{path.name} has no activities: run tools/add_activities.py {path.relative_to(ROOT)} and re-execute it"
     copy = tmp_path / path.name
     shutil.copy(path, copy)
     assert not add_activities.process(copy, check=True), \

@@ -13,6 +13,7 @@ runs the engine.
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
+from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch, Rectangle
 
 #: Colors of the engine's collections in timelines.
@@ -56,6 +57,8 @@ def plot_latency(series: dict, ax=None, xlabel: str = "step (generated token ind
 
 
 ROW_HEIGHT = 1.3      # a row of blocks, in block widths (box, id label, gap)
+POOL_FONT = 11        # points: block ids, free-list places, the text panel (readable at ~1000 px wide)
+CHAR_W = 0.602        # advance of one DejaVu Sans Mono character, in em: lays out colored runs of text
 
 
 def _pool_shape(num_blocks: int, cols: int | None) -> tuple[int, int]:
@@ -63,14 +66,82 @@ def _pool_shape(num_blocks: int, cols: int | None) -> tuple[int, int]:
     return cols, -(-num_blocks // cols)
 
 
-def draw_pool(ax, snapshot, colors: dict | None = None, cols: int | None = None, text_ax=None):
+def _ink(color) -> tuple:
+    """A color dark enough for text on white: light colors (tab20's pale half) are mixed with black."""
+    r, g, b = to_rgb(color)
+    lum = 0.299 * r + 0.587 * g + 0.114 * b
+    f = min(1.0, 0.5 / lum) if lum > 0.5 else 1.0
+    return (r * f, g * f, b * f)
+
+
+def _wrap(items: list[str], first: int, width: int) -> list[str]:
+    """`[a, b, c]` as lines of at most `width` characters (the first one `first`), broken after commas."""
+    if not items:
+        return ["[]"]
+    lines, cur, room = [], "[", first
+    for k, item in enumerate(items):
+        piece = item + (", " if k < len(items) - 1 else "]")
+        if len(cur) + len(piece.rstrip()) > room and cur.strip("[ "):
+            lines.append(cur.rstrip())
+            cur, room = " ", width
+        cur += piece
+    return lines + [cur]
+
+
+def _text_lines(s, colors: dict, width: int = 48) -> list[list[tuple[str, object, str]]]:
+    """The text panel of a snapshot: lines of (text, color, weight) runs; request ids in their color."""
+    def ids(rids):
+        if not rids:
+            return [("-", "k", "normal")]
+        runs = []
+        for k, rid in enumerate(rids):
+            runs += [(" " if k else "", "k", "normal"), (rid, _ink(colors.get(rid, "k")), "bold")]
+        return runs
+
+    lines = [[(f"{name:<12s}", "k", "normal"), *ids(getattr(s, name))]
+             for name in ("waiting", "prefilling", "running")]
+    lines += [[]]
+    if s.finished:
+        lines += [[("finishing this step: ", "#b00000", "bold"), *ids(s.finished)],
+                  [("  their blocks are freed after it", "#b00000", "normal")], []]
+    lines += [[("block tables", "k", "bold"), ("  (logical 0, 1, ... -> physical)", "#555555", "normal")]]
+    for rid, table in sorted(s.block_tables.items()):
+        c, ink = colors.get(rid, "k"), _ink(colors.get(rid, "k"))
+        head = f"\u25a0 {rid}: "
+        parts = _wrap([str(b) for b in table], width - len(head), width - len(head))
+        lines += [[("\u25a0 ", c, "normal"), (rid, ink, "bold"), (": " + parts[0], ink, "normal")]]
+        lines += [[(" " * len(head) + part, ink, "normal")] for part in parts[1:]]
+    lines += [[], [("dark slot: K/V written   light: allocated, empty", "#555555", "normal")],
+              [("white fN: free, handed out N-th   //xN: shared", "#555555", "normal")]]
+    if s.cached_blocks:
+        lines += [[("grey: free, still cached (a hit revives it)", "#555555", "normal")]]
+    return lines
+
+
+def _draw_text(ax, lines, fontsize: float = POOL_FONT):
+    """Monospace lines of colored runs, top-left aligned on `ax` (offsets in points)."""
+    ax.axis("off")
+    for i, runs in enumerate(lines):
+        col = 0
+        for text, color, weight in runs:
+            if text:
+                ax.annotate(text, (0, 1), xycoords="axes fraction", xytext=(col * CHAR_W * fontsize, -i * 1.45 * fontsize),
+                            textcoords="offset points", va="top", ha="left", fontsize=fontsize,
+                            family="DejaVu Sans Mono", color=color, fontweight=weight)
+            col += len(text)
+
+
+def draw_pool(ax, snapshot, colors: dict | None = None, cols: int | None = None, text_ax=None,
+              fontsize: float = POOL_FONT):
     """Draw the block pool of one `StepSnapshot` on `ax`, and its block tables on `text_ax` (if given).
 
     Each block is a box of `block_size` slots, labelled with its block id. A slot is dark in its
     owner's color when it holds K/V (computed by the end of the step), light when allocated but still
     empty. Free blocks are white, labelled with their place in the free list (`f0` is handed out next);
     free blocks that still hold a prefix-cache hash are grey (a hit can revive them). Blocks shared by
-    several block tables (reference count > 1) are hatched and show the count.
+    several block tables (reference count > 1) are hatched and show the count. The text panel names
+    each request in its color (the legend), its block table, and the requests finishing in this step:
+    the snapshot is taken during the step, so their blocks are still drawn and are freed after it.
     """
     s = snapshot
     B, N = s.block_size, s.num_blocks
@@ -83,6 +154,7 @@ def draw_pool(ax, snapshot, colors: dict | None = None, cols: int | None = None,
             filled[b] = max(filled.get(b, 0), min(B, max(0, s.num_computed.get(rid, 0) - i * B)))
     free_pos = {b: i for i, b in enumerate(s.free_blocks)}
     cached = set(s.cached_blocks)
+    small = fontsize - 1
     for b in range(N):
         x, y = b % cols, (rows - 1 - b // cols) * ROW_HEIGHT
         if b in owner:
@@ -90,58 +162,61 @@ def draw_pool(ax, snapshot, colors: dict | None = None, cols: int | None = None,
                 ax.add_patch(Rectangle((x + 0.05 + 0.9 * j / B, y), 0.9 / B, 0.8, lw=0,
                                        facecolor=colors.get(owner[b], "k"), alpha=1.0 if j < filled[b] else 0.25))
             shared = s.ref_counts[b] > 1
-            ax.add_patch(Rectangle((x + 0.05, y), 0.9, 0.8, fill=False, lw=1.4 if shared else 0.6,
+            ax.add_patch(Rectangle((x + 0.05, y), 0.9, 0.8, fill=False, lw=1.6 if shared else 0.8,
                                    hatch="//" if shared else None, edgecolor="k"))
             if shared:
-                ax.text(x + 0.5, y + 0.4, f"x{s.ref_counts[b]}", ha="center", va="center", fontsize=7,
+                ax.text(x + 0.5, y + 0.4, f"x{s.ref_counts[b]}", ha="center", va="center", fontsize=small,
                         bbox=dict(boxstyle="round,pad=0.1", fc="white", ec="none", alpha=0.85))
         else:
             ax.add_patch(Rectangle((x + 0.05, y), 0.9, 0.8, facecolor="#dddddd" if b in cached else "white",
-                                   edgecolor="#999999", lw=0.6))
+                                   edgecolor="#999999", lw=0.8))
             if b in free_pos:
-                ax.text(x + 0.5, y + 0.4, f"f{free_pos[b]}", ha="center", va="center", fontsize=7, color="#666666")
-        ax.text(x + 0.07, y + 0.83, str(b), fontsize=7, va="bottom")
+                ax.text(x + 0.5, y + 0.4, f"f{free_pos[b]}", ha="center", va="center", fontsize=small,
+                        color="#666666")
+        ax.text(x + 0.07, y + 0.83, str(b), fontsize=small, va="bottom")
     ax.set_xlim(0, cols)
     ax.set_ylim(-0.1, rows * ROW_HEIGHT)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.set_title(f"step {s.step}", loc="left", fontsize=9)
+    title = f"step {s.step}"
+    if s.finished:
+        title += f"  (finishing: {', '.join(s.finished)})"
+    ax.set_title(title, loc="left", fontsize=fontsize + 2, fontweight="bold")
     if text_ax is not None:
-        lines = [f"waiting:    {' '.join(s.waiting) or '-'}", f"prefilling: {' '.join(s.prefilling) or '-'}",
-                 f"running:    {' '.join(s.running) or '-'}", "block tables:"]
-        lines += [f"  {rid}: {table}" for rid, table in s.block_tables.items()]
-        text_ax.axis("off")
-        text_ax.text(0, 1, "\n".join(lines), va="top", ha="left", fontsize=8, family="monospace",
-                     transform=text_ax.transAxes)
+        _draw_text(text_ax, _text_lines(s, colors), fontsize)
 
 
-def _pool_figure(num_rows: int, num_blocks: int, cols: int | None, width: float, max_tables: int):
+def _pool_figure(num_rows: int, num_blocks: int, cols: int | None, width: float, num_lines: int,
+                 fontsize: float = POOL_FONT):
     cols, rows = _pool_shape(num_blocks, cols)
-    grid_w = width * 0.6
-    row_h = max(grid_w * rows * ROW_HEIGHT / cols + 0.4, 0.16 * (max_tables + 5))
+    grid_w = width * 0.58
+    text_h = 1.45 * fontsize / 72 * (num_lines + 1)            # the text panel's lines, in inches
+    row_h = max(grid_w * rows * ROW_HEIGHT / cols + 0.5, text_h)
     fig, axes = plt.subplots(num_rows, 2, figsize=(width, row_h * num_rows), squeeze=False,
-                             gridspec_kw=dict(width_ratios=[0.6, 0.4], wspace=0.02))
+                             gridspec_kw=dict(width_ratios=[0.58, 0.42], wspace=0.04))
+    fig.subplots_adjust(left=0.01, right=0.99, top=1 - 0.3 / (row_h * num_rows), bottom=0.01,
+                        hspace=0.5 / row_h)
     return fig, axes
 
 
-def plot_block_tables(snapshots: list, steps: list[int], cols: int | None = None, width: float = 10.0):
+def plot_block_tables(snapshots: list, steps: list[int], cols: int | None = None, width: float = 11.0):
     """A static figure of the pool at several steps (one row each): what `block_table_widget` shows."""
     colors = request_colors(rid for s in snapshots for rid in s.block_tables)
-    most = max(len(snapshots[k].block_tables) for k in steps)
+    most = max(len(_text_lines(snapshots[k], colors)) for k in steps)
     fig, axes = _pool_figure(len(steps), snapshots[0].num_blocks, cols, width, most)
     for (ax, text_ax), k in zip(axes, steps):
         draw_pool(ax, snapshots[k], colors, cols, text_ax)
     return fig
 
 
-def block_table_widget(snapshots: list, cols: int | None = None, width: float = 10.0):
+def block_table_widget(snapshots: list, cols: int | None = None, width: float = 11.0):
     """An ipywidgets slider over the steps of a recording; each move redraws the pool with `draw_pool`."""
     import ipywidgets as widgets
 
     colors = request_colors(rid for s in snapshots for rid in s.block_tables)
-    most = max(len(s.block_tables) for s in snapshots)
+    most = max(len(_text_lines(s, colors)) for s in snapshots)
     slider = widgets.IntSlider(value=0, min=0, max=len(snapshots) - 1, description="step",
-                               continuous_update=False)
+                               continuous_update=False, layout=widgets.Layout(width="60%"))
     out = widgets.Output()
 
     def redraw(change=None):
