@@ -310,20 +310,20 @@ class Engine:
 
     # ------------------------------------------------------------------ the loop
     async def _run_loop(self) -> None:
-        while True:
-            if not self.scheduler.has_work():
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            try:
-                progressed = self.step()
-            except Exception as e:       # noqa: BLE001 - any failure must resolve every future
-                self._fail_all(e)
-                progressed = True
-            if not progressed:           # cannot happen with validated requests; never spin
-                self._wakeup.clear()
-                await self._wakeup.wait()
-            await asyncio.sleep(0)
+        try:
+            while True:
+                if not self.scheduler.has_work():
+                    self._wakeup.clear()
+                    await self._wakeup.wait()
+                    continue
+                try:
+                    if not self.step():      # validated requests always fit: no progress is a bug, never a wait
+                        raise RuntimeError("the scheduler could not schedule any of the requests it holds")
+                except Exception as e:       # noqa: BLE001 - any failure must resolve every future
+                    self._fail_all(e)
+                await asyncio.sleep(0)
+        except Exception as e:               # noqa: BLE001 - the loop itself broke, outside a step:
+            self._fail_all(e)                # resolve everyone; the loop ends, submissions are refused
 
     def step(self) -> bool:
         """One engine step: schedule, run the model, postprocess. Returns False if nothing was scheduled."""
@@ -371,7 +371,13 @@ class Engine:
         logger.error("minirt engine failed, resolving %d requests with an error: %s", len(self.requests), message)
         self._failure = message
         for request in list(self.requests.values()):
-            self._finish(request, "error", message)
+            try:
+                self._finish(request, "error", message)
+            except Exception:                # noqa: BLE001 - the bookkeeping is broken too: resolve the caller anyway
+                self.requests.pop(request.request_id, None)
+                request.finish("error", message)
+                if request.future is not None and not request.future.done():
+                    request.future.set_result(request.output())
 
     async def restart(self) -> None:
         """Stop and start again: after a failure, the engine serves new requests (the pool is all free)."""

@@ -85,3 +85,38 @@ def test_llm_after_a_fault_serves_the_next_call(tiny_models):
     del model.forward
     outs = llm.generate(prompts, minirt.SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(path, p, 4) for p in prompts]
+
+
+def test_a_broken_loop_outside_a_step_still_resolves_every_request(tiny_models):
+    """A failure in the loop's own bookkeeping (here: the scheduler's has_work, which runs outside a step)
+    must not leave any caller waiting."""
+    path = tiny_models["qwen3"]
+    prompts = random_prompts(79, [4, 9, 14])
+
+    async def main():
+        engine = minirt.Engine(path, **KW)
+        async with engine:
+            calls = {"n": 0}
+            real_has_work = engine.scheduler.has_work
+
+            def has_work():
+                calls["n"] += 1
+                if calls["n"] == 3:
+                    raise InjectedError("bookkeeping broke (injected)")
+                return real_has_work()
+
+            engine.scheduler.has_work = has_work
+            outs = await asyncio.wait_for(asyncio.gather(*(
+                engine.generate(p, minirt.SamplingParams(max_new_tokens=30, ignore_eos=True)) for p in prompts)), 60)
+            assert [o.finish_reason for o in outs] == ["error"] * len(prompts)
+            assert all("bookkeeping broke" in o.error for o in outs)
+            del engine.scheduler.has_work
+        await engine.start()                  # a fresh start serves again
+        try:
+            out = await asyncio.wait_for(engine.generate(prompts[0], minirt.SamplingParams(max_new_tokens=4,
+                                                                                             ignore_eos=True)), 60)
+            assert out.token_ids == hf_greedy(path, prompts[0], 4)
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())
