@@ -16,6 +16,7 @@ import torch
 
 from minirt.attention import sdpa
 from minirt.model.decoder import DecoderModel
+from minirt.model.layers import head_dim_of
 
 
 class ContiguousKVCache:
@@ -29,7 +30,7 @@ class ContiguousKVCache:
     def __init__(self, model: DecoderModel, batch_size: int, max_len: int):
         cfg = model.config
         num_kv_heads = cfg.num_key_value_heads
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        head_dim = head_dim_of(cfg)
         shape = (cfg.num_hidden_layers, batch_size, max_len, num_kv_heads, head_dim)
         self.k = torch.zeros(shape, dtype=model.dtype, device=model.device)
         self.v = torch.zeros(shape, dtype=model.dtype, device=model.device)

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import torch
 
+from minirt.model.layers import head_dim_of
+
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes of K and V one token takes across all layers: `2 * layers * kv_heads * head_dim * dtype size`."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     return 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * dtype.itemsize
 
 
 def allocate_kv_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype,
                       device: torch.device) -> torch.Tensor:
     """The zero-filled KV tensor `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    head_dim = head_dim_of(config)
     shape = (config.num_hidden_layers, 2, num_blocks, block_size, config.num_key_value_heads, head_dim)
     return torch.zeros(shape, dtype=dtype, device=device)
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from minirt.attention import CausalAttention
-from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary
+from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
 
 #: model_type -> (qkv_bias, qk_norm); `None` means "read config.attention_bias".
 SUPPORTED_ARCHITECTURES = {"qwen3": (None, True), "qwen2": (True, False), "llama": (None, False)}
@@ -33,7 +33,7 @@ class DecoderAttention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        self.head_dim = head_dim_of(config)
         h, d = config.hidden_size, self.head_dim
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)

@@ -11,6 +11,12 @@ from torch import nn
 import torch.nn.functional as F
 
 
+def head_dim_of(config) -> int:
+    """Channels per attention head: `config.head_dim` where the checkpoint sets it (Qwen3 does, and it need
+    not equal hidden_size / num_heads), else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization").
 
@@ -45,7 +51,7 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         rope = dict(getattr(config, "rope_parameters", None) or {})
         rope_type = rope.get("rope_type", "default")
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        head_dim = head_dim_of(config)
         if rope_type == "default":
             theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
             dim = int(head_dim * rope.get("partial_rotary_factor", 1.0))
