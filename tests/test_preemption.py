@@ -56,3 +56,21 @@ def test_admission_reserves_only_the_prompt(tiny_models):
     # Reserving prompt + max_new_tokens (7 blocks each) would admit one request at a time.
     assert max(seen) == 4
     assert all(len(o.token_ids) == 20 for o in outs)
+
+
+def test_preempted_request_goes_to_the_head_of_the_waiting_queue(tiny_models):
+    """Observed inside the engine: right after a step that preempted, the victim is first in line, holds no
+    blocks, and keeps its generated tokens."""
+    prompts = random_prompts(8, [6, 14, 9, 22, 11, 3, 17, 8])
+    llm = minirt.LLM(tiny_models["qwen2"], block_size=4, num_kv_blocks=14, max_num_batched_tokens=32,
+                     dtype="float32")
+    seen = []
+
+    def check(engine, batch):
+        if engine.scheduler.num_preemptions > len(seen):
+            head = engine.waiting_queue[0]
+            seen.append(head.num_preemptions > 0 and not head.block_table and head.num_output_tokens > 0)
+
+    llm.engine.step_callbacks.append(check)
+    llm.generate(prompts, minirt.SamplingParams(max_new_tokens=20, ignore_eos=True))
+    assert seen and all(seen)
