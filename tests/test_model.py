@@ -19,8 +19,14 @@ def _minirt_logits(model, ids: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-def test_forward_logits_equal_transformers(tiny_model_path, device):
+@pytest.mark.parametrize("optimized", [False, True], ids=["plain", "merged+fused"])
+def test_forward_logits_equal_transformers(tiny_model_path, device, optimized):
+    """Also with chapter 07's merged projections and torch.compile-fused elementwise ops."""
     model, tokenizer = minirt.load_model(tiny_model_path, device=device, dtype=torch.float32)
+    if optimized:
+        model.merge_projections()
+        model.set_fused_ops(True)
+        assert model.model.layers[0].self_attn.q_proj is None and model.model.layers[0].mlp.fuse
     assert tokenizer is None  # tiny checkpoints have no tokenizer files
     assert isinstance(model, torch.nn.Module)
     assert model.config.vocab_size == VOCAB

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from minirt.attention import CausalAttention
-from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, head_dim_of
+from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, fused, head_dim_of, merge_linears
 
 #: model_type -> (qkv_bias, qk_norm); `None` means "read config.attention_bias".
 SUPPORTED_ARCHITECTURES = {"qwen3": (None, True), "qwen2": (True, False), "llama": (None, False)}
@@ -28,6 +28,8 @@ AttentionBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 
 class DecoderAttention(nn.Module):
+    fuse = False            # True: the rotation runs as one compiled kernel (`minirt.model.layers.fused`)
+
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.layer_idx = layer_idx
@@ -45,15 +47,29 @@ class DecoderAttention(nn.Module):
         if qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
             self.k_norm = RMSNorm(d, config.rms_norm_eps)
+        self.qkv_proj = None          # set by merge_projections (chapter 07)
+
+    def merge_projections(self) -> None:
+        """Replace q_proj, k_proj and v_proj by one `qkv_proj` (see `minirt.model.layers.merge_linears`)."""
+        self.qkv_proj = merge_linears(self.q_proj, self.k_proj, self.v_proj)
+        self.qkv_sizes = [self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features]
+        self.q_proj = self.k_proj = self.v_proj = None
+
+    def project_qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if self.qkv_proj is not None:
+            return self.qkv_proj(x).split(self.qkv_sizes, dim=-1)
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.project_qkv(x)
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rotate = fused(apply_rotary) if self.fuse else apply_rotary
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
@@ -126,6 +142,21 @@ class DecoderModel(nn.Module):
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return self.model.norm(x)
+
+    def set_fused_ops(self, enabled: bool) -> None:
+        """Run RMSNorm, the rotation and SiLU-and-multiply as compiled kernels (True) or op by op (False).
+        Same functions either way; see `minirt.model.layers.fused`."""
+        for module in self.modules():
+            if hasattr(type(module), "fuse"):
+                module.fuse = enabled
+
+    def merge_projections(self) -> None:
+        """One GEMM for q/k/v and one for gate/up in every layer (see `minirt.model.layers.merge_linears`).
+        For serving only: afterwards the parameter names no longer match the checkpoint's."""
+        for layer in self.model.layers:
+            if layer.self_attn.qkv_proj is None:
+                layer.self_attn.merge_projections()
+                layer.mlp.merge_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -17,12 +17,40 @@ def head_dim_of(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+_FUSED: dict = {}
+
+
+def fused(fn):
+    """`fn` compiled by `torch.compile` (TorchInductor), once per process and shared by every layer.
+
+    Eagerly, a chain of elementwise ops such as RMSNorm (`float`, `pow`, `mean`, `rsqrt`, `mul`, `to`, `mul`)
+    is one kernel launch and one trip through memory per op; Inductor generates one kernel for the chain.
+    `dynamic=True`: one compiled version serves every batch size. Chapter 07 turns this on
+    (`fused_ops=True`); vLLM compiles its models the same way (`vllm/compilation/`).
+    """
+    if fn not in _FUSED:
+        # Each function meets a few variants (tensor rank, dtype, one token or many): more than the default 8.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _FUSED[fn]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x / sqrt(mean(x**2) + eps) * weight` over the last dim, in float32 and cast back, as Llama and Qwen do."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization").
 
-    `y = x / sqrt(mean(x**2) + eps) * weight`, computed in float32 and cast back, as Llama and Qwen do.
-    Input and output: `[..., hidden_size]`.
+    `y = x / sqrt(mean(x**2) + eps) * weight` (see `rms_norm`). Input and output: `[..., hidden_size]`.
+    With `fuse = True` the same function runs as one compiled kernel (`fused`).
     """
+
+    fuse = False
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
@@ -30,10 +58,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return (fused(rms_norm) if self.fuse else rms_norm)(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -88,9 +113,33 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
+def merge_linears(*linears: nn.Linear) -> nn.Linear:
+    """One `nn.Linear` whose output is the outputs of `linears` side by side: one GEMM instead of several.
+
+    Every projection of a decode step is a matrix-vector product that reads its weight once; small ones
+    cost a kernel launch and a wave of thread blocks each, whatever their size. vLLM loads q/k/v into one
+    `QKVParallelLinear` and gate/up into one `MergedColumnParallelLinear` for the same reason.
+    """
+    first = linears[0]
+    has_bias = first.bias is not None
+    merged = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=has_bias,
+                       device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        merged.weight.copy_(torch.cat([m.weight for m in linears]))
+        if has_bias:
+            merged.bias.copy_(torch.cat([m.bias for m in linears]))
+    return merged
+
+
+def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward block (Shazeer 2020, "GLU Variants Improve Transformer"):
-    `down(act(gate(x)) * up(x))`. `[..., hidden] -> [..., hidden]`."""
+    `down(act(gate(x)) * up(x))`. `[..., hidden] -> [..., hidden]`. `fuse = True`: act and product in one kernel."""
+
+    fuse = False
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
         super().__init__()
@@ -99,6 +148,15 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
         if hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act: only 'silu' is supported, got {hidden_act!r}")
+        self.gate_up_proj = None      # set by merge_projections (chapter 07)
+
+    def merge_projections(self) -> None:
+        """Replace gate_proj and up_proj by one `gate_up_proj` (see `merge_linears`)."""
+        self.gate_up_proj = merge_linears(self.gate_proj, self.up_proj)
+        self.gate_proj = self.up_proj = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        act = fused(silu_and_mul) if self.fuse else silu_and_mul
+        if self.gate_up_proj is not None:
+            return self.down_proj(act(*self.gate_up_proj(x).chunk(2, dim=-1)))
+        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
