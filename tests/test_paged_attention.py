@@ -87,6 +87,34 @@ def test_paged_attention_matches_sdpa(kernel, device, block_size, num_heads, num
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
+@pytest.mark.parametrize("num_splits", [None, 1, 2, 4, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
+    """Split-KV (several programs share a sequence's keys, a second kernel combines them) against the oracle."""
+    from minirt.kernels.paged_attention_triton import choose_num_splits, paged_attention_triton
+
+    seed = 31 + (num_splits or 0)
+    while True:                          # three sequences: the "mixed" case needs at least one prefill chunk
+        q, k_cache, v_cache, meta, ks, vs, qs = build_case(seed, 16, 16, 8, 128, dtype, "cuda", num_seqs=3)
+        if decode_only or meta.max_query_len > 1:
+            break
+        seed += 100
+    if decode_only:                      # keep each sequence's last query: a batch of decodes
+        qs = [x[-1:] for x in qs]
+        n = len(qs)
+        q = torch.cat(qs)
+        meta.query_start_loc, meta.max_query_len = torch.arange(n + 1, device="cuda"), 1
+        meta.slot_mapping = meta.slot_mapping[:n]
+        assert choose_num_splits(meta, 8, q.device) > 1       # 3 x 8 programs leave most SMs idle
+    else:
+        assert choose_num_splits(meta, 8, q.device) == 1      # prefill chunks: never split by default
+    got = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=num_splits).float()
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, oracle(ks, vs, qs), atol=tol, rtol=tol)
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
 def test_engine_selects_triton_on_cuda_and_stays_equal(tiny_models):
     """The whole engine with the Triton kernel equals the torch reference token for token (float32)."""
     import minirt

@@ -3,6 +3,7 @@ stays the reference they are tested against."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
@@ -12,9 +13,10 @@ from minirt.attention import paged_attention_reference
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
-def select_paged_attention(backend: str, device: torch.device, head_dim: int):
+def select_paged_attention(backend: str, device: torch.device, head_dim: int, split_kv: bool = True):
     """The paged-attention function for an engine: "torch" (the reference), "triton" (the kernel; needs
     CUDA, Triton and a power-of-two head_dim >= 16), or "auto" (triton where it can run, else torch).
+    split_kv=False keeps the Triton kernel at one program per (sequence, KV head) (see its `num_splits`).
     Raises ValueError for an unknown name or a "triton" request that cannot run here."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {backend!r}")
@@ -26,4 +28,4 @@ def select_paged_attention(backend: str, device: torch.device, head_dim: int):
         return paged_attention_reference
     from minirt.kernels.paged_attention_triton import paged_attention_triton
 
-    return paged_attention_triton
+    return paged_attention_triton if split_kv else functools.partial(paged_attention_triton, num_splits=1)

@@ -6,10 +6,16 @@ once for the whole group. The program walks the sequence's block table `BLOCK_N`
 a running softmax (max, sum, weighted values), as FlashAttention does (Dao et al. 2022, algorithm 1;
 vLLM's `unified_attention` Triton kernel and FlashInfer work the same way on paged K/V).
 
+A small decode batch gives few programs (batch 1 of an 8-KV-head model: 8, on a GPU with 132 SMs), each
+walking the whole context alone. Split-KV lets several programs share one sequence's keys, each keeping
+its own running softmax, and a second kernel combines them (chapter 07).
+
 Same contract as `minirt.attention.paged_attention_reference`, which the tests compare it with.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -20,14 +26,15 @@ from minirt.attention import PagedAttentionMetadata
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, Out, block_tables, context_lens, query_start_loc, scale,
+    Q, K, V, Out, PartAcc, PartM, PartL, block_tables, context_lens, query_start_loc, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2)
+    tile = tl.program_id(2) // NUM_SPLITS
+    split = tl.program_id(2) % NUM_SPLITS
     TOKENS: tl.constexpr = BLOCK_M // GROUP           # new tokens per tile
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
@@ -48,9 +55,13 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     last = tl.minimum(ctx, ctx - q_len + (tile + 1) * TOKENS)   # keys beyond the tile's last row are masked
-    for start in range(0, last, BLOCK_N):
+    # Split-KV (flash-decoding): program `split` of NUM_SPLITS takes one contiguous share of the keys.
+    share = tl.cdiv(tl.cdiv(last, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * share
+    hi = tl.minimum(last, lo + share)
+    for start in range(lo, hi, BLOCK_N):
         n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < last
+        n_ok = n < hi
         block = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
         offs = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
         k = tl.load(K + offs[:, None] + d[None, :], mask=n_ok[:, None], other=0.0)
@@ -60,35 +71,92 @@ def _paged_attention_kernel(
         else:
             s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))              # key 0 is in the first block: never -inf after it
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no visible key yet: no NaN
+        p = tl.exp(s - m_use[:, None])
+        alpha = tl.exp(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
-    out = acc / l_i[:, None]
-    tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
+    else:   # partial results, [num_tokens, num_heads, NUM_SPLITS, (HEAD_DIM)], combined by _combine_splits_kernel
+        row = ((q_start + tok) * (GROUP * tl.num_programs(1)) + head) * NUM_SPLITS + split
+        tl.store(PartAcc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
+        tl.store(PartM + row, m_i, mask=row_ok)
+        tl.store(PartL + row, l_i, mask=row_ok)
+
+
+@triton.jit
+def _combine_splits_kernel(Out, PartAcc, PartM, PartL, stride_ot, stride_oh,
+                           HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s (an empty split has m_s = -inf)."""
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    row = (token * tl.num_programs(1) + head) * NUM_SPLITS
+    s = tl.arange(0, NUM_SPLITS)
+    d = tl.arange(0, HEAD_DIM)
+    m = tl.load(PartM + row + s)
+    w = tl.exp(m - tl.max(m, 0))
+    acc = tl.load(PartAcc + (row + s)[:, None] * HEAD_DIM + d[None, :])
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w * tl.load(PartL + row + s), 0)
+    tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
+    """How many programs share each decode's keys: 1 unless the batch is all decodes and has fewer
+    (sequence, KV head) programs than twice the GPU's SMs; then a power of two up to 16 that fills them.
+    Depends only on the batch's shape, so a CUDA graph captured at one batch size keeps it."""
+    programs = meta.context_lens.shape[0] * num_kv_heads
+    if meta.max_query_len != 1 or device.type != "cuda":
+        return 1
+    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    return min(16, triton.next_power_of_2(max(1, -(-target // programs))))
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: PagedAttentionMetadata) -> torch.Tensor:
-    """q `[num_tokens, H, D]`, k/v cache `[num_blocks, block_size, Hkv, D]` -> `[num_tokens, H, D]`."""
+                           meta: PagedAttentionMetadata, num_splits: int | None = None) -> torch.Tensor:
+    """q `[num_tokens, H, D]`, k/v cache `[num_blocks, block_size, Hkv, D]` -> `[num_tokens, H, D]`.
+
+    num_splits: programs per (sequence, KV head) that share its keys (a power of two; split-KV, Dao et al.
+    2023, "Flash-Decoding for long-context inference"; FlashAttention's `num_splits`). None chooses with
+    `choose_num_splits`: more than 1 only for small all-decode batches, which otherwise leave most SMs idle.
+    """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
     block_m = max(16, triton.next_power_of_2(group))
     tokens_per_tile = block_m // group
+    if num_splits is None:
+        num_splits = choose_num_splits(meta, num_kv_heads, q.device)
     out = torch.empty_like(q)
-    grid = (meta.context_lens.shape[0], num_kv_heads, triton.cdiv(meta.max_query_len, tokens_per_tile))
+    if num_splits > 1:
+        part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
+        part_m = torch.empty(num_tokens, num_heads, num_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+    else:
+        part_acc = part_m = part_l = out                       # unused
+    grid = (meta.context_lens.shape[0], num_kv_heads,
+            triton.cdiv(meta.max_query_len, tokens_per_tile) * num_splits)
     block_tables = meta.block_tables.contiguous()
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, block_tables, meta.context_lens, meta.query_start_loc, head_dim ** -0.5,
+        q, k_cache, v_cache, out, part_acc, part_m, part_l, block_tables, meta.context_lens, meta.query_start_loc,
+        head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_N=64,
-        IEEE=q.dtype == torch.float32)
+        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32)
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
+                                                        HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
     return out
