@@ -17,6 +17,14 @@ class EngineConfig:
     enable_prefix_caching: share full KV blocks between requests with equal prefixes.
     attention_backend: "auto" (the Triton kernel on CUDA when it can run, else torch), "torch" (the
     reference in `minirt.attention`) or "triton" (see `minirt.kernels`).
+    split_kv: let several programs of the Triton kernel share one decode's keys when the batch is small
+    (flash-decoding; see `minirt.kernels.paged_attention_triton`).
+    enforce_eager: never use CUDA graphs. Otherwise decode-only steps replay a CUDA graph where one can run
+    (CUDA and the Triton kernel; see `minirt.cuda_graphs`).
+    fused_ops: compile RMSNorm, the rotation and SiLU-and-multiply into fused kernels with `torch.compile`
+    (see `minirt.model.layers.fused`); None = on CUDA devices only.
+    merge_projections: one GEMM for q/k/v and one for gate/up (see `minirt.model.layers.merge_linears`);
+    None = on CUDA devices only.
     """
 
     block_size: int = 16
@@ -27,6 +35,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
+    split_kv: bool = True
+    enforce_eager: bool = False
+    fused_ops: bool | None = None
+    merge_projections: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -37,8 +49,13 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}: must be an integer >= 1 or None, got {value!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching: must be a bool, got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "split_kv", "enforce_eager"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
+        for name in ("fused_ops", "merge_projections"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{name}: must be a bool or None (None = on CUDA only), got {value!r}")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -30,11 +30,14 @@ from typing import AsyncIterator
 
 import torch
 
-from minirt.config import EngineConfig
+from minirt.attention import paged_attention_reference
+from minirt.config import EngineConfig, cdiv
+from minirt.cuda_graphs import DecodeGraphs
 from minirt.kernels import select_paged_attention
 from minirt.kv.block_pool import BlockPool
 from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
+from minirt.model.layers import head_dim_of
 from minirt.model.loader import load_model
 from minirt.model_runner import ModelRunner
 from minirt.request import Request, RequestOutput, StreamDelta
@@ -102,9 +105,11 @@ class Engine:
                  block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, max_prefill_chunk: int = 1024,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", split_kv: bool = True, enforce_eager: bool = False,
+                 fused_ops: bool | None = None, merge_projections: bool | None = None):
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                                   max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend)
+                                   max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
+                                   split_kv, enforce_eager, fused_ops, merge_projections)
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config
@@ -119,10 +124,19 @@ class Engine:
                                                   max_num_seqs)
             self.config.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
-        kv_cache = allocate_kv_cache(mc, num_kv_blocks, block_size, self.model.dtype, self.device)
-        head_dim = kv_cache.shape[-1]
-        kernel = select_paged_attention(attention_backend, self.device, head_dim)
-        self.model_runner = ModelRunner(self.model, kv_cache, block_size, kernel)
+        kernel = select_paged_attention(attention_backend, self.device, head_dim_of(mc), split_kv)
+        use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
+        # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
+        kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
+        on_cuda = self.device.type == "cuda"
+        self.model.set_fused_ops(on_cuda if fused_ops is None else fused_ops)
+        if on_cuda if merge_projections is None else merge_projections:
+            self.model.merge_projections()
+        graphs = None
+        if use_graphs:
+            graphs = DecodeGraphs(self.model, kv_cache, kernel, max_num_seqs, cdiv(max_model_len, block_size),
+                                  scratch_block=num_kv_blocks)
+        self.model_runner = ModelRunner(self.model, kv_cache, block_size, kernel, graphs)
         self.pool = BlockPool(num_kv_blocks)
         self.prefix_cache = PrefixCache(self.pool, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.pool, self.prefix_cache)

@@ -17,22 +17,25 @@ from minirt.sampling import sample
 
 
 class ModelRunner:
-    """Owns the model and the KV tensor; knows nothing about scheduling."""
+    """Owns the model and the KV tensor; knows nothing about scheduling.
+
+    `decode_graphs`: a `minirt.cuda_graphs.DecodeGraphs`, used for steps made only of decodes (chapter 07).
+    """
 
     def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int,
-                 attention_kernel=paged_attention_reference):
+                 attention_kernel=paged_attention_reference, decode_graphs=None):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
         self.attention_kernel = attention_kernel
+        self.decode_graphs = decode_graphs
 
-    def prepare(self, items: list[tuple[Request, int]]):
-        """Build `(input_ids [1, N], positions [1, N], metadata, sample_rows)` for the packed batch.
-
-        `sample_rows` lists, for each request whose computed tokens reach the end of its known tokens
-        this step (a finished prompt or a decode), the index of its last token in the batch.
-        """
+    def prepare_lists(self, items: list[tuple[Request, int]]) -> dict:
+        """The packed batch as host lists: input_ids, positions, slots (`[num_tokens]` each), query_start_loc
+        (`[num_seqs + 1]`), context_lens, block_tables (`[num_seqs]`), and `sample_rows`/`sample_requests`:
+        for each request whose computed tokens reach the end of its known tokens this step (a finished prompt
+        or a decode), the index of its last token in the batch."""
         B = self.block_size
         input_ids, positions, slots, query_start_loc, context_lens, tables = [], [], [], [0], [], []
         sample_rows, sample_requests = [], []
@@ -47,26 +50,50 @@ class ModelRunner:
             if start + n == len(request.token_ids):
                 sample_rows.append(query_start_loc[-1] - 1)
                 sample_requests.append(request)
-        max_ctx = max(context_lens)
+        return dict(input_ids=input_ids, positions=positions, slots=slots, query_start_loc=query_start_loc,
+                    context_lens=context_lens, block_tables=tables, sample_rows=sample_rows,
+                    sample_requests=sample_requests, max_query_len=max(n for _, n in items))
+
+    def prepare(self, items: list[tuple[Request, int]], lists: dict | None = None):
+        """Build `(input_ids [1, N], positions [1, N], metadata, sample_rows, sample_requests)` on the device
+        (from `lists`, the output of `prepare_lists(items)`, when given)."""
+        b = lists or self.prepare_lists(items)
+        B = self.block_size
+        max_ctx = max(b["context_lens"])
         width = -(max_ctx // -B)
-        block_tables = [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+        block_tables = [t[:width] + [0] * (width - len(t[:width])) for t in b["block_tables"]]
         dev = self.device
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
         meta = PagedAttentionMetadata(
-            slot_mapping=as_long(slots), query_start_loc=as_long(query_start_loc),
-            context_lens=as_long(context_lens), block_tables=as_long(block_tables),
-            max_query_len=max(n for _, n in items), max_context_len=max_ctx)
-        return as_long(input_ids)[None], as_long(positions)[None], meta, sample_rows, sample_requests
+            slot_mapping=as_long(b["slots"]), query_start_loc=as_long(b["query_start_loc"]),
+            context_lens=as_long(b["context_lens"]), block_tables=as_long(block_tables),
+            max_query_len=b["max_query_len"], max_context_len=max_ctx)
+        return (as_long(b["input_ids"])[None], as_long(b["positions"])[None], meta, b["sample_rows"],
+                b["sample_requests"])
+
+    def _forward_decode_graph(self, b: dict) -> torch.Tensor | None:
+        """Hidden states `[num_seqs, hidden]` of an all-decode step through a CUDA graph, or None if it has none."""
+        graphs = self.decode_graphs
+        if graphs is None or b["max_query_len"] != 1 or len(b["input_ids"]) > graphs.sizes[-1]:
+            return None
+        return graphs.run(b["input_ids"], b["positions"], b["slots"], b["context_lens"], b["block_tables"])
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
         """Run one step. Returns the requests that got a new token, and those tokens (one host sync)."""
-        input_ids, positions, meta, rows, requests = self.prepare(items)
-        hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_cache, meta, self.attention_kernel))
+        b = self.prepare_lists(items)
+        requests = b["sample_requests"]
+        hidden = self._forward_decode_graph(b)
+        if hidden is None:
+            input_ids, positions, meta, rows, requests = self.prepare(items, b)
+            hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_cache, meta, self.attention_kernel))
+            hidden = hidden[0, rows]
         if not requests:
             return [], []
-        logits = self.model.compute_logits(hidden[0, rows])                   # [num_sampled, vocab]
+        logits = self.model.compute_logits(hidden)                             # [num_sampled, vocab]
         params = [r.params for r in requests]
+        if all(p.greedy for p in params):                  # decided on the host: no device sync to find out
+            return requests, logits.argmax(dim=-1).tolist()
         dev = self.device
         next_ids = sample(
             logits,

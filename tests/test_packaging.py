@@ -63,7 +63,7 @@ def test_pyproject_metadata():
     assert proj["name"] == "minirt"
     assert ">=3.10" in proj["requires-python"]
     deps = {_norm(d) for d in proj["dependencies"]}
-    assert deps == {"torch", "transformers", "safetensors", "tokenizers", "huggingface-hub", "tqdm"}
+    assert deps == {"torch", "numpy", "transformers", "safetensors", "tokenizers", "huggingface-hub", "tqdm"}
     extras = proj["optional-dependencies"]
     assert {_norm(d) for d in extras["dev"]} >= {"pytest", "hypothesis"}
     assert {_norm(d) for d in extras["notebooks"]} >= {"jupyterlab", "ipywidgets", "matplotlib", "nbval",

@@ -1,0 +1,114 @@
+"""CUDA graphs for decode steps: the whole forward replayed with one launch (chapter 07).
+
+A decode step of a small model is *launch-bound*: every layer is dozens of small kernels, and the CPU
+takes longer to launch them than the GPU takes to run them. A CUDA graph records the kernel launches of
+one forward once and replays them all with a single call (vLLM's `CUDAGraphRunner`, nano-vllm's
+`ModelRunner.capture_cudagraph`; NVIDIA, "CUDA C++ Programming Guide", section "CUDA Graphs").
+
+A graph fixes the address and the shape of every tensor it touches, so:
+
+* decode batches are padded up to the next *capture size* (1, 2, 4, 8, then every 16 up to `max_num_seqs`);
+* the inputs - token ids, positions, slot mapping, context lengths, block tables - live in static buffers
+  that each step overwrites before the replay;
+* padding rows are one-token sequences that write their K/V into a scratch slot no request owns (one
+  extra block at the end of the KV tensor) and attend to it; their outputs are dropped.
+
+Only the Triton attention kernel can be captured: the torch reference sizes its gather from
+`max_context_len`, a number that changes every step. Prefill steps (their token count varies) run eagerly.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+
+from minirt.attention import PagedAttention, PagedAttentionMetadata
+
+
+def capture_sizes(max_num_seqs: int) -> list[int]:
+    """Decode batch sizes with a graph: 1, 2, 4, 8, 16, 32, 48, ... and `max_num_seqs` itself (vLLM's schedule)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    """One captured decode forward per capture size, with the static input buffers they share.
+
+    `run(input_ids, positions, slots, context_lens, block_tables)` takes one decode step's host lists
+    (`num_seqs` entries each; `block_tables` a list of lists) and returns the hidden states
+    `[num_seqs, hidden_size]`. `num_seqs` must be at most `max_num_seqs`; block tables at most
+    `max_blocks_per_seq` long.
+
+    `capture=False` runs the same padded static-buffer forward eagerly instead of replaying a graph: the
+    padding and buffer logic, testable on a CPU with the torch reference kernel.
+    """
+
+    def __init__(self, model, kv_cache: torch.Tensor, kernel, max_num_seqs: int, max_blocks_per_seq: int,
+                 scratch_block: int, capture: bool = True):
+        self.model, self.kv_cache, self.kernel = model, kv_cache, kernel
+        self.sizes = capture_sizes(max_num_seqs)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        block_size = kv_cache.shape[3]
+        self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
+        self.max_context_len = max_blocks_per_seq * block_size
+        n, dev = max_num_seqs, model.device
+        # Host staging buffers (pinned: the copies to the device run asynchronously) and their device twins.
+        # Rows: 0 input ids, 1 positions, 2 slot mapping, 3 context lengths, 4 query start locations (fixed:
+        # every row is one token).
+        pin = dev.type == "cuda"
+        self.host_vectors = torch.zeros(5, n + 1, dtype=torch.long, pin_memory=pin)
+        self.host_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.long, pin_memory=pin)
+        self.vectors = torch.zeros(5, n + 1, dtype=torch.long, device=dev)
+        self.tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.long, device=dev)
+        self.vectors[2].fill_(self.scratch_slot)                  # until the first step: every row is padding
+        self.vectors[3].fill_(1)
+        self.vectors[4].copy_(torch.arange(n + 1))                # one token per row, always (padding rows too)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        if capture:
+            self.capture()
+
+    def _forward(self, size: int) -> torch.Tensor:
+        v = self.vectors
+        meta = PagedAttentionMetadata(
+            slot_mapping=v[2, :size], query_start_loc=v[4, :size + 1], context_lens=v[3, :size],
+            block_tables=self.tables[:size], max_query_len=1, max_context_len=self.max_context_len)
+        hidden = self.model(v[0, :size][None], v[1, :size][None], attn=PagedAttention(self.kv_cache, meta, self.kernel))
+        return hidden[0]
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        """Capture every size, largest first, all in one memory pool (the smaller graphs reuse its blocks)."""
+        pool = None
+        for size in reversed(self.sizes):
+            self._forward(size)                                    # warm-up: Triton compiles, cuBLAS picks kernels
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[size] = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
+            block_tables: list[list[int]]) -> torch.Tensor:
+        num_seqs = len(input_ids)
+        size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        hv, ht = self.host_vectors.numpy(), self.host_tables.numpy()     # views: filling them fills the pinned buffers
+        hv[0, :num_seqs] = input_ids
+        hv[1, :num_seqs] = positions
+        hv[2, :num_seqs] = slots
+        hv[3, :num_seqs] = context_lens
+        hv[:2, num_seqs:size] = 0
+        hv[2, num_seqs:size] = self.scratch_slot                   # padding rows: one token that writes the scratch
+        hv[3, num_seqs:size] = 1                                   # slot and attends to itself there
+        ht[num_seqs:size, 0] = self.scratch_block
+        for row, table in enumerate(block_tables):
+            ht[row, :len(table)] = table                           # entries past a row's context are never read
+        self.vectors[:4, :size].copy_(self.host_vectors[:4, :size], non_blocking=True)
+        self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+        if not self.graphs:                                        # capture=False
+            return self._forward(size)[:num_seqs]
+        self.graphs[size].replay()
+        return self.outputs[size][:num_seqs]

@@ -1,0 +1,86 @@
+"""CUDA graphs for decode (minirt.cuda_graphs): padded static-buffer forwards give transformers' tokens.
+
+On the CPU the padding logic runs with `capture=False` (the same static buffers, padding rows and scratch
+slot, run eagerly with the torch reference kernel); on CUDA the captured graphs run for real.
+Oracle: transformers greedy (conftest.hf_greedy).
+"""
+
+import random
+
+import pytest
+import torch
+
+import minirt
+from conftest import hf_greedy, random_prompts
+from minirt.attention import paged_attention_reference
+from minirt.config import cdiv
+from minirt.cuda_graphs import DecodeGraphs, capture_sizes
+from minirt.kv.paged_cache import allocate_kv_cache
+
+
+def greedy(n):
+    return minirt.SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 5, 16, 17, 256])
+def test_capture_sizes_cover_every_batch(max_num_seqs):
+    sizes = capture_sizes(max_num_seqs)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_num_seqs
+    for n in range(1, max_num_seqs + 1):    # every batch size has a graph at most 2x (and at most 15 rows) larger
+        padded = min(s for s in sizes if s >= n)
+        assert padded - n <= max(n, 15) if n >= 8 else padded < 2 * n
+
+
+def spy_on(graphs: DecodeGraphs) -> list[int]:
+    sizes = []
+    run = graphs.run
+
+    def counting_run(input_ids, *args):
+        sizes.append(len(input_ids))
+        return run(input_ids, *args)
+
+    graphs.run = counting_run
+    return sizes
+
+
+def test_padded_decode_buffers_on_cpu(tiny_model_path):
+    """Batches of 1..5 decodes padded to sizes 1, 2, 4, 5 through the static buffers equal transformers
+    (with chapter 07's other switches on too: merged projections, fused elementwise ops)."""
+    llm = minirt.LLM(model=tiny_model_path, device="cpu", dtype=torch.float32, block_size=4, max_num_seqs=5,
+                     merge_projections=True, fused_ops=True)
+    engine = llm.engine
+    assert engine.model_runner.decode_graphs is None          # never on the CPU by default
+    runner, n_blocks = engine.model_runner, engine.pool.num_blocks
+    kv_cache = allocate_kv_cache(engine.model.config, n_blocks + 1, 4, torch.float32, torch.device("cpu"))
+    runner.kv_cache = kv_cache
+    runner.decode_graphs = DecodeGraphs(engine.model, kv_cache, paged_attention_reference, 5,
+                                        cdiv(engine.config.max_model_len, 4), scratch_block=n_blocks, capture=False)
+    used = spy_on(runner.decode_graphs)
+    rng = random.Random(5)
+    prompts = random_prompts(7, [rng.randint(1, 13) for _ in range(7)])
+    ns = [rng.randint(2, 11) for _ in prompts]
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, n)
+    assert {3, 5} <= set(used), f"decode batch sizes seen: {sorted(set(used))}"   # 3 pads to 4; 5 is a size
+    assert engine.stats()["num_free_blocks"] == n_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("fused_ops", [False, True])
+def test_cuda_graphs_equal_transformers(tiny_model_path, fused_ops):
+    llm = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=24,
+                     num_kv_blocks=2048, fused_ops=fused_ops)
+    graphs = llm.engine.model_runner.decode_graphs
+    assert graphs is not None and sorted(graphs.graphs) == capture_sizes(24)
+    used = spy_on(graphs)
+    rng = random.Random(9)
+    prompts = random_prompts(11, [rng.randint(1, 40) for _ in range(30)])
+    ns = [rng.randint(1, 30) for _ in prompts]
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}, n={n}"
+    assert len(set(used)) > 3
+    eager = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=24,
+                       num_kv_blocks=2048, enforce_eager=True)
+    assert eager.engine.model_runner.decode_graphs is None
