@@ -273,8 +273,9 @@ def compute_ratios(results: dict, device_type: str) -> list[dict]:
 
 
 def bench(device: torch.device, workloads: list[str], quick: bool = False, model: str | None = None,
-          baselines: tuple[str, ...] = ("hf_generate",), seed: int = 0) -> dict:
-    """Run minirt and the baselines on each workload; returns the report that `run` writes as JSON."""
+          baselines: tuple[str, ...] = ("hf_generate",), seed: int = 0, engine_kwargs: dict | None = None) -> dict:
+    """Run minirt and the baselines on each workload; returns the report that `run` writes as JSON.
+    `engine_kwargs` go to `minirt.LLM` (for example `enforce_eager=True`)."""
     from transformers import AutoModelForCausalLM
 
     import minirt
@@ -287,7 +288,7 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
     dev, versions = environment(device)
     report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "settings": {"quick": quick, "seed": seed, "dtype": str(dtype).removeprefix("torch."),
-                           "baselines": list(baselines), "workloads": settings},
+                           "baselines": list(baselines), "workloads": settings, "engine": engine_kwargs or {}},
               "bandwidth": copy_bandwidth(device, 2**31 if device.type == "cuda" else 2**28)}
     results = {w: {} for w in workloads}
     with tempfile.TemporaryDirectory() as tmp:
@@ -298,7 +299,15 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             model = str(model or minirt.DEFAULT_MODEL)
             report["model"] = {"name": os.path.basename(os.path.normpath(model)), "path": model}
 
-        llm = minirt.LLM(model, device=device, dtype=dtype)
+        llm = minirt.LLM(model, device=device, dtype=dtype, **(engine_kwargs or {}))
+        engine = llm.engine
+        kernel = engine.model_runner.attention_kernel
+        report["settings"]["engine_resolved"] = {
+            "attention_kernel": getattr(kernel, "__name__", None) or f"{kernel.func.__name__}{kernel.keywords}",
+            "cuda_graphs": engine.model_runner.decode_graphs is not None,
+            "fused_ops": engine.model.model.norm.fuse,
+            "merged_projections": engine.model.model.layers[0].self_attn.qkv_proj is not None, "num_kv_blocks": engine.config.num_kv_blocks,
+            "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size
         report["model"]["weight_bytes"] = weight_bytes = sum(p.numel() * p.element_size()
                                                              for p in llm.engine.model.parameters())
@@ -360,6 +369,16 @@ def format_report(report: dict) -> str:
             f"{c['exact_match']:.0%} of prompts, common prefix {c['prefix_agreement']:.0%}\n\n{table}\n\n{ratios}")
 
 
+def write_report(report: dict, out_dir: str, name: str) -> str:
+    """Write `report` as indented JSON to `out_dir/name`.json (the folder is created); returns the path."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name + ".json")
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"\nwrote {path}")
+    return path
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to an argparse subparsers object (`python -m minirt bench ...`)."""
     p = subparsers.add_parser("bench", help="benchmark minirt against transformers generate / generate_batch",
@@ -374,7 +393,30 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated hf_generate,hf_generate_batch (default: both on cuda, hf_generate on cpu)")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="minirt's attention kernel (EngineConfig.attention_backend)")
+    p.add_argument("--no-split-kv", action="store_true", help="minirt's Triton kernel without split-KV decode")
+    p.add_argument("--enforce-eager", action="store_true", help="minirt without CUDA graphs")
+    p.add_argument("--fused-ops", choices=["auto", "on", "off"], default="auto",
+                   help="minirt's torch.compile-fused elementwise ops (auto: on CUDA only)")
+    p.add_argument("--merge-projections", choices=["auto", "on", "off"], default="auto",
+                   help="minirt's merged q/k/v and gate/up GEMMs (auto: on CUDA only)")
     return p
+
+
+def engine_kwargs_of(args) -> dict:
+    """The `minirt.LLM` settings given on the command line (only those that differ from the defaults)."""
+    kwargs = {}
+    if args.attention_backend != "auto":
+        kwargs["attention_backend"] = args.attention_backend
+    if args.no_split_kv:
+        kwargs["split_kv"] = False
+    if args.enforce_eager:
+        kwargs["enforce_eager"] = True
+    for name in ("fused_ops", "merge_projections"):
+        if getattr(args, name) != "auto":
+            kwargs[name] = getattr(args, name) == "on"
+    return kwargs
 
 
 def run(args) -> int:
@@ -391,15 +433,11 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
-    report = bench(device, workloads, args.quick, args.model, baselines, args.seed)
+    report = bench(device, workloads, args.quick, args.model, baselines, args.seed, engine_kwargs_of(args))
     print(format_report(report))
-    os.makedirs(args.out, exist_ok=True)
     parts = [device.type, "quick" if args.quick else "", "" if args.workload == "all" else args.workload,
              str(datetime.date.today())]
-    path = os.path.join(args.out, "-".join(p for p in parts if p) + ".json")
-    with open(path, "w") as f:
-        json.dump(report, f, indent=2)
-    print(f"\nwrote {path}")
+    write_report(report, args.out, "-".join(p for p in parts if p))
     if report["settings"]["dtype"] == "float32" and report["correctness"]["exact_match"] < 1:
         print("FAIL: minirt's greedy tokens differ from transformers' in float32", file=sys.stderr)
         return 1

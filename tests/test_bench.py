@@ -84,3 +84,39 @@ def test_tables_print(bench_run):
             assert any(line.split()[:2] == [workload, name] for line in stdout.splitlines()), (workload, name)
     assert any("tokens_per_s_vs_hf_generate" in line and ("PASS" in line or "MISS" in line)
                for line in stdout.splitlines())
+
+
+def _optimizations_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "optimizations.py"
+    spec = importlib.util.spec_from_file_location("optimizations", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_optimization_steps_add_one_switch_each():
+    """benchmarks/optimizations.py (chapter 07's figures): every step turns on exactly one more switch, all
+    are valid engine settings, and the last step is what the engine does on CUDA by default."""
+    import inspect
+
+    from minirt.config import EngineConfig
+    from minirt.engine import Engine
+
+    steps = _optimizations_module().STEPS
+    for (_, before), (label, after) in zip(steps, steps[1:]):
+        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+        assert len(changed) == 1, f"{label}: changes {sorted(changed)}"
+    for _, kwargs in steps:
+        EngineConfig(**kwargs)                                 # valid values (raises otherwise)
+    defaults = {k: p.default for k, p in inspect.signature(Engine).parameters.items() if k in steps[-1][1]}
+    resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True}
+    assert steps[-1][1] == resolved_on_cuda
+
+
+def test_optimizations_script_needs_cuda():
+    if __import__("torch").cuda.is_available():
+        pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
+    assert _optimizations_module().main(["--quick"]) == 2

@@ -1,0 +1,149 @@
+"""What each GPU optimization buys: minirt alone, the optimizations of chapter 07 turned on one by one.
+
+    python benchmarks/optimizations.py [--quick] [--steps 0,2,5] [--out benchmarks/results]
+    python benchmarks/optimizations.py --profile [--new-tokens 64] [--steps ...]
+
+Runs the `python -m minirt bench` workloads (see `minirt/bench.py`) on the same random Qwen3-0.6B-shaped
+checkpoint for each step of `STEPS`, each step adding one switch of `minirt.EngineConfig` to the one
+before. transformers runs only as the correctness guard (4 prompts x 32 greedy tokens each step).
+Prints a table of output tokens/s, TPOT p50 and the roofline fraction per step, with each step's speed-up
+over the first, and writes `optimizations-<device>[-quick]-<date>.json` (every figure of every step).
+Chapter 07 plots that file.
+
+`--profile`: where a batch-1 decode step's time goes, per step. One request (512-token prompt) profiled
+with `torch.profiler` (CPU and CUDA activities); a prefill-only run (1 new token) is subtracted from a run of
+`--new-tokens`, so the figures are per decode step: wall time, GPU kernel time (the sum of kernel durations),
+kernels launched, and the five kernels that take most time. A step whose wall time far exceeds its kernel
+time is launch- or CPU-bound; one where they are close is GPU-bound. Writes `profile-decode-cuda-<date>.json`.
+(The profiler slows the CPU side down: compare wall times between steps, not with the bench's TPOT.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+from collections import Counter
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import minirt
+from minirt.bench import bench, build_random_qwen3, environment, free_memory, make_prompts, write_report
+from minirt.metrics import format_table
+
+#: (label, minirt.LLM settings): each step adds one optimization to the one before.
+_OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False)
+STEPS = [
+    ("eager, torch attention", _OFF),
+    ("+ Triton paged attention", {**_OFF, "attention_backend": "triton"}),
+    ("+ CUDA graphs (decode)", {**_OFF, "attention_backend": "triton", "enforce_eager": False}),
+    ("+ fused ops (torch.compile)", {**_OFF, "attention_backend": "triton", "enforce_eager": False,
+                                     "fused_ops": True}),
+    ("+ merged projections", {**_OFF, "attention_backend": "triton", "enforce_eager": False, "fused_ops": True,
+                              "merge_projections": True}),
+    ("+ split-KV decode attention", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
+                                         fused_ops=True, merge_projections=True)),
+]
+
+
+def kernels_of(prof) -> tuple[int, float, Counter]:
+    """(number of kernels, their total duration in s, duration by kernel name) from a finished profile."""
+    durations = Counter()
+    count = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            count += 1
+            durations[e.name] += e.device_time * 1e-6   # microseconds
+    return count, sum(durations.values()), durations
+
+
+def profiled_run(llm, prompt: list[int], n: int) -> tuple[float, int, float, Counter]:
+    params = minirt.SamplingParams(max_new_tokens=n, ignore_eos=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        llm.generate([prompt], params)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    return (wall, *kernels_of(prof))
+
+
+def run_steps(device, model, steps, quick: bool, report: dict) -> None:
+    """Bench each step (minirt only); prints the table of each step's figures and speed-ups over the first."""
+    for label, kwargs in steps:
+        r = bench(device, ["throughput", "latency"], quick, model, baselines=(), engine_kwargs=kwargs)
+        report["steps"].append({"label": label, "engine": kwargs, "resolved": r["settings"]["engine_resolved"],
+                                "correctness": r["correctness"], "bandwidth": r["bandwidth"],
+                                "workloads": r["settings"]["workloads"],
+                                "throughput": r["results"]["throughput"]["minirt"],
+                                "latency": r["results"]["latency"]["minirt"]})
+        free_memory()
+        print(f"done: {label}", flush=True)
+    first = report["steps"][0]
+    rows = [[s["label"], s["throughput"]["output_tokens_per_s"],
+             s["throughput"]["output_tokens_per_s"] / first["throughput"]["output_tokens_per_s"],
+             s["latency"]["tpot_p50_s"] * 1e3, first["latency"]["tpot_p50_s"] / s["latency"]["tpot_p50_s"],
+             s["latency"]["roofline_fraction"], s["correctness"]["exact_match"]] for s in report["steps"]]
+    print(format_table(["step", "tok/s", "x first", "TPOT p50 ms", "x first", "roofline", "= transformers"], rows))
+
+
+def profile_steps(device, model, steps, new_tokens: int, report: dict) -> None:
+    """Profile batch-1 decode for each step: wall and kernel time per step, kernels per step, top kernels."""
+    n = new_tokens
+    for label, kwargs in steps:
+        llm = minirt.LLM(model, device=device, dtype=torch.bfloat16, max_model_len=4096, **kwargs)
+        prompts = make_prompts(3, (512, 512), llm.engine.model.config.vocab_size, seed=7)
+        llm.generate([prompts[0]], minirt.SamplingParams(max_new_tokens=8, ignore_eos=True))   # warm-up
+        w1, k1, t1, d1 = profiled_run(llm, prompts[1], 1)
+        wn, kn, tn, dn = profiled_run(llm, prompts[2], n)
+        per_kernel = {name: (dn[name] - d1.get(name, 0.0)) / (n - 1) for name in dn}
+        top = sorted(per_kernel.items(), key=lambda kv: -kv[1])[:5]
+        c = {"label": label, "engine": kwargs, "wall_per_step_s": (wn - w1) / (n - 1),
+             "kernel_time_per_step_s": (tn - t1) / (n - 1), "kernels_per_step": (kn - k1) / (n - 1),
+             "top_kernels": [{"name": name[:120], "time_per_step_s": t} for name, t in top]}
+        report["configs"].append(c)
+        print(f"{label:32s} wall {c['wall_per_step_s'] * 1e3:7.2f} ms/step  kernels "
+              f"{c['kernel_time_per_step_s'] * 1e3:7.2f} ms/step  {c['kernels_per_step']:6.0f} kernels/step",
+              flush=True)
+        for name, t in top:
+            print(f"    {t * 1e6:8.1f} us  {name[:100]}")
+        del llm
+        free_memory()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the bench's --quick workloads")
+    parser.add_argument("--profile", action="store_true", help="profile batch-1 decode steps instead")
+    parser.add_argument("--new-tokens", type=int, default=64, help="decode steps profiled (with --profile)")
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--steps", default=None, help="comma-separated step numbers to run (default: all)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: this benchmark needs a CUDA device (the optimizations are GPU ones)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    device = torch.device("cuda")
+    chosen = [STEPS[int(i)] for i in args.steps.split(",")] if args.steps else STEPS
+    dev, versions = environment(device)
+    report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_random_qwen3(tmp, device, seed=0)
+        if args.profile:
+            report.update(prompt_len=512, new_tokens=args.new_tokens, configs=[])
+            profile_steps(device, model, chosen, args.new_tokens, report)
+            name = f"profile-decode-cuda-{datetime.date.today()}"
+        else:
+            report.update(quick=args.quick, steps=[])
+            run_steps(device, model, chosen, args.quick, report)
+            name = f"optimizations-cuda{'-quick' if args.quick else ''}-{datetime.date.today()}"
+    write_report(report, args.out, name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
