@@ -8,7 +8,7 @@ never re-implements it: a notebook that measures the engine measures the code it
 * Measurements: the duration of every forward pass of a generation loop (`record_forwards`), a
   step-by-step record of the engine's collections, batches and block tables (`record_timeline`),
   static versus continuous batching (`run_requests`), per-token times derived from a record
-  (`token_times`, `max_stall_s`).
+  (`token_times`, `max_stall_s`), the torch operators a piece of code runs (`count_ops`).
 
 Times are in seconds (`time.perf_counter`), lengths in tokens.
 """
@@ -16,6 +16,7 @@ Times are in seconds (`time.perf_counter`), lengths in tokens.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import math
 import random
@@ -23,6 +24,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils._python_dispatch
 
 # Public-domain text to cut prompts from (Shakespeare, Hamlet III.1 and Sonnet 18; Milton, Paradise Lost I),
 # the same kind of text the embedded model was trained on.
@@ -387,3 +389,26 @@ async def run_requests(engine, prompts: list, params, batch_size: int | None = N
                                               zip(prompts[i:i + k], params[i:i + k])))
         wall = time.perf_counter() - t
     return outputs, wall
+
+
+# ---------------------------------------------------------------------------------------------- operator counts
+class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.counts: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def count_ops():
+    """Count the torch operators (ATen ops, as dispatched to a device) run in this thread inside the block.
+
+    `with count_ops() as counts: ...` leaves `counts` a `collections.Counter` {op name: calls}. On a GPU
+    each op is (at least) one kernel launch, so this is the number of launches an eager forward makes.
+    """
+    counter = _OpCounter()
+    with counter:
+        yield counter.counts
