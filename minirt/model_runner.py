@@ -72,11 +72,15 @@ class ModelRunner:
                 b["sample_requests"])
 
     def _forward_decode_graph(self, b: dict) -> torch.Tensor | None:
-        """Hidden states `[num_seqs, hidden]` of an all-decode step through a CUDA graph, or None if it has none."""
+        """Hidden states `[num_sampled, hidden]` of the sampled rows, through a CUDA graph, for a step whose
+        sequences all have one new token (decodes, and 1-token prefill chunks, which are sampled only if they
+        finish their prompt); None if there is no graph for it."""
         graphs = self.decode_graphs
         if graphs is None or b["max_query_len"] != 1 or len(b["input_ids"]) > graphs.sizes[-1]:
             return None
-        return graphs.run(b["input_ids"], b["positions"], b["slots"], b["context_lens"], b["block_tables"])
+        hidden = graphs.run(b["input_ids"], b["positions"], b["slots"], b["context_lens"], b["block_tables"])
+        rows = b["sample_rows"]
+        return hidden if len(rows) == len(b["input_ids"]) else hidden[rows]
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:

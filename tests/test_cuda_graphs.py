@@ -43,19 +43,38 @@ def spy_on(graphs: DecodeGraphs) -> list[int]:
     return sizes
 
 
-def test_padded_decode_buffers_on_cpu(tiny_model_path):
-    """Batches of 1..5 decodes padded to sizes 1, 2, 4, 5 through the static buffers equal transformers
-    (with chapter 07's other switches on too: merged projections, fused elementwise ops)."""
-    llm = minirt.LLM(model=tiny_model_path, device="cpu", dtype=torch.float32, block_size=4, max_num_seqs=5,
-                     merge_projections=True, fused_ops=True)
+def padded_engine(path, **kw) -> "minirt.LLM":
+    """An LLM whose runner sends every one-token-per-sequence step through `DecodeGraphs(capture=False)`."""
+    llm = minirt.LLM(model=path, device="cpu", dtype=torch.float32, block_size=4, **kw)
     engine = llm.engine
-    assert engine.model_runner.decode_graphs is None          # never on the CPU by default
     runner, n_blocks = engine.model_runner, engine.pool.num_blocks
     kv_cache = allocate_kv_cache(engine.model.config, n_blocks + 1, 4, torch.float32, torch.device("cpu"))
     runner.kv_cache = kv_cache
-    runner.decode_graphs = DecodeGraphs(engine.model, kv_cache, paged_attention_reference, 5,
+    runner.decode_graphs = DecodeGraphs(engine.model, kv_cache, paged_attention_reference, engine.config.max_num_seqs,
                                         cdiv(engine.config.max_model_len, 4), scratch_block=n_blocks, capture=False)
-    used = spy_on(runner.decode_graphs)
+    return llm
+
+
+def test_one_token_prefill_chunks_through_the_graph_path(tiny_model_path):
+    """Steps of 1-token rows that are not all sampled (max_prefill_chunk=1: chunks that do not finish
+    their prompt) go through the graph path too; only the sampled rows' tokens may reach the requests."""
+    llm = padded_engine(tiny_model_path, max_num_seqs=4, max_prefill_chunk=1)
+    used = spy_on(llm.engine.model_runner.decode_graphs)
+    prompts = random_prompts(13, [9, 2, 5, 1, 7])          # the longest first: it is still prefilling while others decode
+    ns = [6, 8, 3, 7, 5]
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}"
+    assert used, "the graph path was never taken"
+
+
+def test_padded_decode_buffers_on_cpu(tiny_model_path):
+    """Batches of 1..5 decodes padded to sizes 1, 2, 4, 5 through the static buffers equal transformers
+    (with chapter 07's other switches on too: merged projections, fused elementwise ops)."""
+    assert minirt.LLM(model=tiny_model_path, device="cpu").engine.model_runner.decode_graphs is None  # not on CPUs
+    llm = padded_engine(tiny_model_path, max_num_seqs=5, merge_projections=True, fused_ops=True)
+    engine, n_blocks = llm.engine, llm.engine.pool.num_blocks
+    used = spy_on(engine.model_runner.decode_graphs)
     rng = random.Random(5)
     prompts = random_prompts(7, [rng.randint(1, 13) for _ in range(7)])
     ns = [rng.randint(2, 11) for _ in prompts]
