@@ -13,8 +13,9 @@ A graph fixes the address and the shape of every tensor it touches, so:
 * padding rows are one-token sequences that write their K/V into a scratch slot no request owns (one
   extra block at the end of the KV tensor) and attend to it; their outputs are dropped.
 
-Only the Triton attention kernel can be captured: the torch reference sizes its gather from
-`max_context_len`, a number that changes every step. Prefill steps (their token count varies) run eagerly.
+Only the Triton attention kernel can be captured: the torch reference keeps the real query rows with a
+boolean mask (`out[q_valid]`), whose result size depends on the data, and a captured graph cannot allocate
+data-dependent shapes. Prefill steps (their token count varies) run eagerly.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ from minirt.attention import PagedAttention, PagedAttentionMetadata
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
-    """Decode batch sizes with a graph: 1, 2, 4, 8, 16, 32, 48, ... and `max_num_seqs` itself (vLLM's schedule)."""
+    """Decode batch sizes with a graph: 1, 2, 4, 8, 16, 32, 48, ... and `max_num_seqs` itself (nano-vllm's list;
+    vLLM's default steps by 8)."""
     sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sizes + [max_num_seqs]
 
@@ -35,10 +37,10 @@ def capture_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """One captured decode forward per capture size, with the static input buffers they share.
 
-    `run(input_ids, positions, slots, context_lens, block_tables)` takes one decode step's host lists
-    (`num_seqs` entries each; `block_tables` a list of lists) and returns the hidden states
-    `[num_seqs, hidden_size]`. `num_seqs` must be at most `max_num_seqs`; block tables at most
-    `max_blocks_per_seq` long.
+    `run(input_ids, positions, slots, context_lens, block_tables)` takes the host lists of a step in which
+    every sequence has one new token (`num_seqs` entries each; `block_tables` a list of lists) and returns
+    the hidden states `[num_seqs, hidden_size]`: a view of the graph's output buffer, which the next `run`
+    overwrites. `num_seqs` must be at most `max_num_seqs`; block tables at most `max_blocks_per_seq` long.
 
     `capture=False` runs the same padded static-buffer forward eagerly instead of replaying a graph: the
     padding and buffer logic, testable on a CPU with the torch reference kernel.
@@ -54,16 +56,16 @@ class DecodeGraphs:
         self.max_context_len = max_blocks_per_seq * block_size
         n, dev = max_num_seqs, model.device
         # Host staging buffers (pinned: the copies to the device run asynchronously) and their device twins.
-        # Rows: 0 input ids, 1 positions, 2 slot mapping, 3 context lengths, 4 query start locations (fixed:
-        # every row is one token).
+        # Rows of `vectors`: 0 input ids, 1 positions, 2 slot mapping, 3 context lengths. Each step copies
+        # all of `vectors` (a few KB, contiguous) and the first rows of `tables` (contiguous too).
         pin = dev.type == "cuda"
-        self.host_vectors = torch.zeros(5, n + 1, dtype=torch.long, pin_memory=pin)
+        self.host_vectors = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
         self.host_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.long, pin_memory=pin)
-        self.vectors = torch.zeros(5, n + 1, dtype=torch.long, device=dev)
-        self.tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.long, device=dev)
-        self.vectors[2].fill_(self.scratch_slot)                  # until the first step: every row is padding
-        self.vectors[3].fill_(1)
-        self.vectors[4].copy_(torch.arange(n + 1))                # one token per row, always (padding rows too)
+        self.host_vectors[2] = self.scratch_slot                   # until the first step: every row is padding
+        self.host_vectors[3] = 1
+        self.vectors = self.host_vectors.to(dev, copy=True)
+        self.tables = self.host_tables.to(dev, copy=True)
+        self.query_start_loc = torch.arange(n + 1, device=dev)     # one token per row, always (padding rows too)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -72,7 +74,7 @@ class DecodeGraphs:
     def _forward(self, size: int) -> torch.Tensor:
         v = self.vectors
         meta = PagedAttentionMetadata(
-            slot_mapping=v[2, :size], query_start_loc=v[4, :size + 1], context_lens=v[3, :size],
+            slot_mapping=v[2, :size], query_start_loc=self.query_start_loc[:size + 1], context_lens=v[3, :size],
             block_tables=self.tables[:size], max_query_len=1, max_context_len=self.max_context_len)
         hidden = self.model(v[0, :size][None], v[1, :size][None], attn=PagedAttention(self.kv_cache, meta, self.kernel))
         return hidden[0]
@@ -106,7 +108,7 @@ class DecodeGraphs:
         ht[num_seqs:size, 0] = self.scratch_block
         for row, table in enumerate(block_tables):
             ht[row, :len(table)] = table                           # entries past a row's context are never read
-        self.vectors[:4, :size].copy_(self.host_vectors[:4, :size], non_blocking=True)
+        self.vectors.copy_(self.host_vectors, non_blocking=True)
         self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
         if not self.graphs:                                        # capture=False
             return self._forward(size)[:num_seqs]
