@@ -37,6 +37,9 @@ import time
 
 import torch
 
+from minirt.config import EngineConfig
+from minirt.kernels import select_paged_attention
+
 # Qwen3-0.6B's configuration (Qwen/Qwen3-0.6B config.json), built with random weights: no download needed.
 QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
               "head_dim": 128, "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True,
@@ -379,6 +382,13 @@ def write_report(report: dict, out_dir: str, name: str) -> str:
     return path
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text}")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `bench` subcommand to an argparse subparsers object (`python -m minirt bench ...`)."""
     p = subparsers.add_parser("bench", help="benchmark minirt against transformers generate / generate_batch",
@@ -391,7 +401,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="HF-format checkpoint (default: random Qwen3-0.6B on cuda, the embedded model on cpu)")
     p.add_argument("--baselines", default=None,
                    help="comma-separated hf_generate,hf_generate_batch (default: both on cuda, hf_generate on cpu)")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="minirt's attention kernel (EngineConfig.attention_backend)")
@@ -433,10 +443,19 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
-    report = bench(device, workloads, args.quick, args.model, baselines, args.seed, engine_kwargs_of(args))
+    engine_kwargs = engine_kwargs_of(args)
+    try:
+        EngineConfig(**engine_kwargs)
+        if engine_kwargs.get("attention_backend") == "triton":
+            select_paged_attention("triton", device, 128)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = bench(device, workloads, args.quick, args.model, baselines, args.seed, engine_kwargs)
     print(format_report(report))
+    switches = [f"{k.replace('_', '-')}-{str(v).lower()}" for k, v in engine_kwargs.items()]  # non-default runs
     parts = [device.type, "quick" if args.quick else "", "" if args.workload == "all" else args.workload,
-             str(datetime.date.today())]
+             *switches, str(datetime.date.today())]
     write_report(report, args.out, "-".join(p for p in parts if p))
     if report["settings"]["dtype"] == "float32" and report["correctness"]["exact_match"] < 1:
         print("FAIL: minirt's greedy tokens differ from transformers' in float32", file=sys.stderr)

@@ -118,10 +118,19 @@ def test_bad_request_ids_and_timeouts(tiny_models, engine_kw):
 @pytest.mark.parametrize("field,value", [("block_size", 0), ("num_kv_blocks", 0), ("max_num_seqs", -1),
                                          ("max_num_batched_tokens", 0), ("max_prefill_chunk", 1.5),
                                          ("max_model_len", 0), ("enable_prefix_caching", "yes"),
-                                         ("max_model_len", 10**6), ("dtype", "int8")])
+                                         ("max_model_len", 10**6), ("dtype", "int8"),
+                                         ("attention_backend", "cuda"), ("attention_backend", None),
+                                         ("split_kv", 1), ("enforce_eager", "yes"), ("fused_ops", "on"),
+                                         ("merge_projections", 0)])
 def test_bad_engine_settings(tiny_models, field, value):
     with pytest.raises(ValueError, match=field):
         minirt.Engine(tiny_models["llama"], **{field: value})
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models):
+    with pytest.raises(ValueError, match=r"attention_backend: 'triton' needs a CUDA device \(got cpu\)"):
+        minirt.Engine(tiny_models["llama"], device="cpu", attention_backend="triton")
 
 
 @pytest.mark.parametrize("device,words", [("cuda:99", "device: 'cuda:99'"), ("foo", "device: expected 'cpu'"),

@@ -9,8 +9,7 @@ import importlib.util
 import torch
 
 from minirt.attention import paged_attention_reference
-
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+from minirt.config import ATTENTION_BACKENDS
 
 
 def select_paged_attention(backend: str, device: torch.device, head_dim: int, split_kv: bool = True):
@@ -20,10 +19,14 @@ def select_paged_attention(backend: str, device: torch.device, head_dim: int, sp
     Raises ValueError for an unknown name or a "triton" request that cannot run here."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    can_run = (device.type == "cuda" and importlib.util.find_spec("triton") is not None
-               and head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+    missing = [need for need, ok in (
+        (f"a CUDA device (got {device.type})", device.type == "cuda"),
+        ("Triton installed (it is not)", importlib.util.find_spec("triton") is not None),
+        (f"a power-of-two head_dim >= 16 (got {head_dim})", head_dim >= 16 and head_dim & (head_dim - 1) == 0),
+    ) if not ok]
+    can_run = not missing
     if backend == "triton" and not can_run:
-        raise ValueError("attention_backend: 'triton' needs a CUDA device, Triton and a power-of-two head_dim >= 16")
+        raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
     if backend == "torch" or not can_run:
         return paged_attention_reference
     from minirt.kernels.paged_attention_triton import paged_attention_triton
