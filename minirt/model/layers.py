@@ -25,12 +25,15 @@ def fused(fn):
 
     Eagerly, a chain of elementwise ops such as RMSNorm (`float`, `pow`, `mean`, `rsqrt`, `mul`, `to`, `mul`)
     is one kernel launch and one trip through memory per op; Inductor generates one kernel for the chain.
-    `dynamic=True`: one compiled version serves every batch size. Chapter 07 turns this on
+    `dynamic=True`: one compiled version serves every batch size above 1 (torch.compile specializes sizes 0
+    and 1, so a single token gets its own). Chapter 07 turns this on
     (`fused_ops=True`); vLLM compiles its models the same way (`vllm/compilation/`).
     """
     if fn not in _FUSED:
         # Each function meets a few variants (tensor rank, dtype, one token or many): more than the default 8.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"   # torch < 2.7
+        setattr(config, name, max(getattr(config, name), 64))
         _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
     return _FUSED[fn]
 
