@@ -392,23 +392,43 @@ async def run_requests(engine, prompts: list, params, batch_size: int | None = N
 
 
 # ---------------------------------------------------------------------------------------------- operator counts
+_METADATA_ONLY = {"detach_", "resolve_conj", "resolve_neg", "lift_fresh"}
+
+
+def _storages(x) -> set[int]:
+    tensors = [x] if isinstance(x, torch.Tensor) else [t for t in x if isinstance(t, torch.Tensor)] \
+        if isinstance(x, (list, tuple)) else []
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
 class _OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
+        self.views: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.counts[func.overloadpacket.__name__] += 1
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        inputs = set().union(*(_storages(a) for a in args)) if args else set()
+        in_place = name.endswith("_") and name not in _METADATA_ONLY
+        if in_place or not (_storages(out) <= inputs) and name not in _METADATA_ONLY:
+            self.counts[name] += 1        # wrote memory: new output storage, or an in-place update
+        else:
+            self.views[name] += 1         # a view, a no-op cast, or metadata only: no kernel
+        return out
 
 
 @contextlib.contextmanager
 def count_ops():
     """Count the torch operators (ATen ops, as dispatched to a device) run in this thread inside the block.
 
-    `with count_ops() as counts: ...` leaves `counts` a `collections.Counter` {op name: calls}. On a GPU
-    each op is (at least) one kernel launch, so this is the number of launches an eager forward makes.
+    `with count_ops() as counts: ...` leaves `counts` a `collections.Counter` {op name: calls} of the operators
+    that compute something - write a new tensor or update one in place - which on a GPU are (at least) one
+    kernel launch each: the launches an eager forward makes. Views, casts to the same dtype and other
+    metadata-only operators are counted apart, in `counts.views`.
     """
     counter = _OpCounter()
+    counter.counts.views = counter.views
     with counter:
         yield counter.counts
