@@ -163,3 +163,22 @@ class PagedAttention:
         k_cache, v_cache = self.kv_cache[layer_idx]
         store_kv(k_cache, v_cache, k[0], v[0], self.meta.slot_mapping)
         return self.kernel(q[0], k_cache, v_cache, self.meta)[None]
+
+
+# ----------------------------------------------------------------------------------- split-KV (chapter 07)
+
+
+def combine_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """Exact attention output from split-KV partial results (flash-decoding; Dao et al. 2023).
+
+    Split `j` of a query's keys kept its running softmax over its share of the keys: `m[..., j]` the
+    largest score, `l[..., j] = sum exp(score - m_j)`, `acc[..., j, :] = sum exp(score - m_j) * value`.
+    acc `[..., num_splits, head_dim]`, m and l `[..., num_splits]` (float32) -> `[..., head_dim]`:
+
+        out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j,   M = max_j m_j.
+
+    A split with no keys has m = -inf, l = 0, acc = 0 and weight 0. The torch reference of the Triton
+    kernel's `_combine_splits_kernel` (`minirt.kernels.paged_attention_triton`).
+    """
+    weights = torch.exp(m - m.amax(dim=-1, keepdim=True))                 # [..., num_splits]
+    return (weights[..., None] * acc).sum(dim=-2) / (weights * l).sum(dim=-1, keepdim=True)

@@ -128,3 +128,29 @@ def test_engine_selects_triton_on_cuda_and_stays_equal(tiny_models):
                          max_prefill_chunk=5, max_num_batched_tokens=24, attention_backend=backend)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
     assert outs["torch"] == outs["triton"]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+def test_combine_splits_equals_attention_over_all_keys(num_splits):
+    """Partial softmaxes over contiguous key shares (some shares empty), combined, against SDPA over all keys."""
+    from minirt.attention import combine_splits
+
+    gen = torch.Generator().manual_seed(num_splits)
+    T, H, D, N = 3, 4, 16, 10                                  # 10 keys: with 8 splits some shares are empty
+    q, k, v = (torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((T, H, D), (N, H, D), (N, H, D)))
+    scores = torch.einsum("thd,nhd->thn", q, k) * D ** -0.5     # [T, H, N]
+    share = -(-N // num_splits) if num_splits < N else 2
+    acc = torch.zeros(T, H, num_splits, D, dtype=torch.float64)
+    m = torch.full((T, H, num_splits), float("-inf"), dtype=torch.float64)
+    l = torch.zeros(T, H, num_splits, dtype=torch.float64)
+    for j in range(num_splits):
+        lo, hi = j * share, min(N, (j + 1) * share)
+        if lo >= hi:
+            continue                                            # an empty split keeps (-inf, 0, 0)
+        s = scores[..., lo:hi]
+        m[..., j] = s.amax(-1)
+        p = torch.exp(s - m[..., j, None])
+        l[..., j] = p.sum(-1)
+        acc[..., j, :] = torch.einsum("thn,nhd->thd", p, v[lo:hi])
+    want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+    torch.testing.assert_close(combine_splits(acc, m, l), want, atol=1e-12, rtol=1e-12)
