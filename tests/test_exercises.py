@@ -40,7 +40,7 @@ def _nbval():
 def test_six_exercises_with_at_least_two_graded_tasks_each():
     import nbformat
     names = [p.name for p in SOLUTIONS]
-    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06"], names
+    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07"], names
     assert [p.name for p in EXERCISES] == names
     for path in SOLUTIONS:
         nb = nbformat.read(path, as_version=4)
@@ -137,6 +137,8 @@ REFERENCES = {
     "ex05.append_token": lambda request, token, now: request.append_token(token, now),
     "ex06.split_budget": "minirt.scheduler:split_budget",
     "ex06.schedule": lambda scheduler: scheduler.schedule(),
+    "ex07.capture_sizes": "minirt.cuda_graphs:capture_sizes",
+    "ex07.combine_splits": "minirt.attention:combine_splits",
 }
 
 
@@ -320,6 +322,11 @@ def _paged_attention_without_causal_mask(q, k_cache, v_cache, meta):
     return torch.cat(outs)
 
 
+def _combine_splits_without_the_max(acc, m, l):     # exact in exact arithmetic; overflows to inf/inf = NaN
+    weights = torch.exp(m)
+    return (weights[..., None] * acc).sum(-2) / (weights * l).sum(-1, keepdim=True)
+
+
 WRONG = [
     ("ex01.greedy_next_token", lambda logits: logits.shape[-1] - 1 - logits.flip(-1).argmax(-1), "tie"),
     ("ex01.naive_generate",
@@ -338,6 +345,8 @@ WRONG = [
     ("ex06.split_budget", lambda budget, d, rem, cap: importlib.import_module("minirt.scheduler").split_budget(
         budget, d, rem, 10**9), "chunk cap"),
     ("ex06.schedule", _schedule_letting_small_requests_overtake, "head-of-line"),
+    ("ex07.capture_sizes", lambda n: [1, 2, 4, 8] + list(range(16, n + 1, 16)), "max_num_seqs=1"),
+    ("ex07.combine_splits", _combine_splits_without_the_max, "large scores"),
 ]
 
 

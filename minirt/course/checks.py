@@ -980,6 +980,61 @@ def ex06_schedule(fn: Callable) -> None:
     run_check("ex06.schedule", fn, lambda sched: sched.schedule(), cases, run=drive)
 
 
+# ============================================================================== ex07: making it fast
+
+
+def ex07_capture_sizes(fn: Callable) -> None:
+    """Check `capture_sizes(max_num_seqs) -> list[int]`."""
+    from minirt.cuda_graphs import capture_sizes as reference
+
+    cases = [Case(f"max_num_seqs={n}", lambda n=n: (n,), f"max_num_seqs={n}")
+             for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 100, 256, 512)]
+    run_check("ex07.capture_sizes", fn, reference, cases)
+
+
+def _split_partials(seed: int, lead: tuple[int, ...], num_keys: int, num_splits: int, head_dim: int,
+                    scale: float = 1.0):
+    """(acc, m, l) of `num_splits` contiguous key shares of random attention inputs (empty shares allowed)."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(*lead, num_keys, generator=gen) * scale
+    values = torch.randn(*lead, num_keys, head_dim, generator=gen)
+    share = -(-num_keys // num_splits)
+    acc = torch.zeros(*lead, num_splits, head_dim)
+    m = torch.full((*lead, num_splits), float("-inf"))
+    l = torch.zeros(*lead, num_splits)
+    for j in range(num_splits):
+        lo, hi = j * share, min(num_keys, (j + 1) * share)
+        if lo < hi:
+            s = scores[..., lo:hi]
+            m[..., j] = s.amax(-1)
+            p = torch.exp(s - m[..., j, None])
+            l[..., j] = p.sum(-1)
+            acc[..., j, :] = (p[..., None] * values[..., lo:hi, :]).sum(-2)
+    return acc, m, l
+
+
+def ex07_combine_splits(fn: Callable) -> None:
+    """Check `combine_splits(acc, m, l) -> [..., head_dim]`."""
+    from minirt.attention import combine_splits as reference
+
+    def case(name, lead, num_keys, num_splits, head_dim=8, scale=1.0, seed=0):
+        show = (f"leading dims {list(lead)}, {num_keys} keys in {num_splits} splits, head_dim={head_dim}, "
+                f"scores ~ N(0, {scale}^2)")
+        return Case(name, lambda: _split_partials(seed, lead, num_keys, num_splits, head_dim, scale), show)
+
+    cases = [
+        case("one split (nothing to combine)", (2,), 7, 1, seed=1),
+        case("two equal splits", (2,), 8, 2, seed=2),
+        case("uneven last split", (3,), 10, 3, seed=3),
+        case("more splits than keys need: empty splits", (2,), 5, 8, seed=4),
+        case("a single key", (1,), 1, 4, seed=5),
+        case("tokens x heads", (3, 4), 33, 4, head_dim=16, seed=6),
+        case("large scores (exp would overflow without the max)", (2, 2), 20, 4, scale=60.0, seed=7),
+        case("no leading dims", (), 12, 3, seed=8),
+    ]
+    run_check("ex07.combine_splits", fn, reference, cases)
+
+
 # ============================================================================== registry
 
 TASKS: dict[str, Callable[[Callable], None]] = {
@@ -996,6 +1051,8 @@ TASKS: dict[str, Callable[[Callable], None]] = {
     "ex05.append_token": ex05_append_token,
     "ex06.split_budget": ex06_split_budget,
     "ex06.schedule": ex06_schedule,
+    "ex07.capture_sizes": ex07_capture_sizes,
+    "ex07.combine_splits": ex07_combine_splits,
 }
 __all__ = ["CheckFailed", "Case", "TASKS", "ToyTokenizer", "device", "run_check", "tiny_model",
            *(name.replace(".", "_") for name in TASKS)]
