@@ -66,6 +66,10 @@ class DecodeGraphs:
         self.vectors = self.host_vectors.to(dev, copy=True)
         self.tables = self.host_tables.to(dev, copy=True)
         self.query_start_loc = torch.arange(n + 1, device=dev)     # one token per row, always (padding rows too)
+        # Recorded after each step's copies: the next step may refill the pinned buffers only once the copies
+        # have read them (a step whose rows are all unsampled prefill chunks ends without a host sync).
+        self.copies_done = torch.cuda.Event() if pin else None
+        self.copies_pending = False
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -97,6 +101,8 @@ class DecodeGraphs:
             block_tables: list[list[int]]) -> torch.Tensor:
         num_seqs = len(input_ids)
         size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+        if self.copies_pending:
+            self.copies_done.synchronize()
         hv, ht = self.host_vectors.numpy(), self.host_tables.numpy()     # views: filling them fills the pinned buffers
         hv[0, :num_seqs] = input_ids
         hv[1, :num_seqs] = positions
@@ -110,6 +116,9 @@ class DecodeGraphs:
             ht[row, :len(table)] = table                           # entries past a row's context are never read
         self.vectors.copy_(self.host_vectors, non_blocking=True)
         self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+        if self.copies_done is not None:
+            self.copies_done.record()
+            self.copies_pending = True
         if not self.graphs:                                        # capture=False
             return self._forward(size)[:num_seqs]
         self.graphs[size].replay()
