@@ -120,3 +120,33 @@ def test_optimizations_script_needs_cuda():
     if __import__("torch").cuda.is_available():
         pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
     assert _optimizations_module().main(["--quick"]) == 2
+
+
+def _bench_args(*argv):
+    import argparse
+
+    from minirt import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_engine_switches_from_the_command_line():
+    from minirt.bench import engine_kwargs_of
+
+    assert engine_kwargs_of(_bench_args()) == {}                # defaults: nothing overridden
+    args = _bench_args("--attention-backend", "torch", "--no-split-kv", "--enforce-eager", "--fused-ops", "off",
+                       "--merge-projections", "on")
+    assert engine_kwargs_of(args) == {"attention_backend": "torch", "split_kv": False, "enforce_eager": True,
+                                      "fused_ops": False, "merge_projections": True}
+
+
+@pytest.mark.parametrize("argv,words", [(["--threads", "0"], "--threads: must be an integer >= 1"),
+                                        (["--attention-backend", "triton"], "attention_backend: 'triton' needs")])
+def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
+    if "triton" in argv and __import__("torch").cuda.is_available():
+        pytest.skip("triton is a valid backend on a CUDA machine")
+    proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", *argv], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"), check=False)
+    assert proc.returncode == 2 and words in proc.stderr, (proc.returncode, proc.stderr[-1000:])
