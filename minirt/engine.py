@@ -128,9 +128,9 @@ class Engine:
         use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
         # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
         kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
-        on_cuda = self.device.type == "cuda"
+        on_cuda = self.device.type == "cuda"                 # None: the switch is on where it pays, on CUDA
         self.model.set_fused_ops(on_cuda if fused_ops is None else fused_ops)
-        if on_cuda if merge_projections is None else merge_projections:
+        if merge_projections or (merge_projections is None and on_cuda):
             self.model.merge_projections()
         graphs = None
         if use_graphs:

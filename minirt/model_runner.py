@@ -7,6 +7,8 @@ scheduling with selective batching). Only the rows that need a next token go thr
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
 from minirt.attention import PagedAttention, PagedAttentionMetadata, paged_attention_reference
@@ -16,10 +18,32 @@ from minirt.request import Request
 from minirt.sampling import sample
 
 
+@dataclass
+class StepInputs:
+    """One step's packed batch as host lists (`minirt.model_runner.ModelRunner.prepare_lists`).
+
+    input_ids, positions, slots: `[num_tokens]`; query_start_loc: `[num_seqs + 1]`; context_lens and
+    block_tables: `[num_seqs]` (each table a list of block ids). sample_rows / sample_requests: for each
+    request whose computed tokens reach the end of its known tokens this step (a finished prompt or a
+    decode), the index of its last token in the batch, and the request.
+    """
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    query_start_loc: list[int] = field(default_factory=lambda: [0])
+    context_lens: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    sample_requests: list[Request] = field(default_factory=list)
+    max_query_len: int = 0
+
+
 class ModelRunner:
     """Owns the model and the KV tensor; knows nothing about scheduling.
 
-    `decode_graphs`: a `minirt.cuda_graphs.DecodeGraphs`, used for steps made only of decodes (chapter 07).
+    `decode_graphs`: a `minirt.cuda_graphs.DecodeGraphs`, used for steps in which every sequence has one new
+    token (chapter 07).
     """
 
     def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int,
@@ -31,67 +55,57 @@ class ModelRunner:
         self.attention_kernel = attention_kernel
         self.decode_graphs = decode_graphs
 
-    def prepare_lists(self, items: list[tuple[Request, int]]) -> dict:
-        """The packed batch as host lists: input_ids, positions, slots (`[num_tokens]` each), query_start_loc
-        (`[num_seqs + 1]`), context_lens, block_tables (`[num_seqs]`), and `sample_rows`/`sample_requests`:
-        for each request whose computed tokens reach the end of its known tokens this step (a finished prompt
-        or a decode), the index of its last token in the batch."""
+    def prepare_lists(self, items: list[tuple[Request, int]]) -> StepInputs:
+        """The packed batch of `(request, num_new_tokens)` items as host lists (see `StepInputs`)."""
         B = self.block_size
-        input_ids, positions, slots, query_start_loc, context_lens, tables = [], [], [], [0], [], []
-        sample_rows, sample_requests = [], []
+        step = StepInputs(max_query_len=max(n for _, n in items))
         for request, n in items:
             start = request.num_computed_tokens
-            input_ids += request.token_ids[start:start + n]
-            positions += range(start, start + n)
-            slots += slot_mapping(request.block_table, start, start + n, B)
-            query_start_loc.append(query_start_loc[-1] + n)
-            context_lens.append(start + n)
-            tables.append(request.block_table)
+            step.input_ids += request.token_ids[start:start + n]
+            step.positions += range(start, start + n)
+            step.slots += slot_mapping(request.block_table, start, start + n, B)
+            step.query_start_loc.append(step.query_start_loc[-1] + n)
+            step.context_lens.append(start + n)
+            step.block_tables.append(request.block_table)
             if start + n == len(request.token_ids):
-                sample_rows.append(query_start_loc[-1] - 1)
-                sample_requests.append(request)
-        return dict(input_ids=input_ids, positions=positions, slots=slots, query_start_loc=query_start_loc,
-                    context_lens=context_lens, block_tables=tables, sample_rows=sample_rows,
-                    sample_requests=sample_requests, max_query_len=max(n for _, n in items))
+                step.sample_rows.append(step.query_start_loc[-1] - 1)
+                step.sample_requests.append(request)
+        return step
 
-    def prepare(self, items: list[tuple[Request, int]], lists: dict | None = None):
-        """Build `(input_ids [1, N], positions [1, N], metadata, sample_rows, sample_requests)` on the device
-        (from `lists`, the output of `prepare_lists(items)`, when given)."""
-        b = lists or self.prepare_lists(items)
-        B = self.block_size
-        max_ctx = max(b["context_lens"])
-        width = -(max_ctx // -B)
-        block_tables = [t[:width] + [0] * (width - len(t[:width])) for t in b["block_tables"]]
-        dev = self.device
-        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=dev)  # noqa: E731
+    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+        """`(input_ids [1, N], positions [1, N], metadata)` on the device; block tables padded with 0 to the
+        widest context of the step."""
+        max_ctx = max(step.context_lens)
+        width = -(max_ctx // -self.block_size)
+        block_tables = [t[:width] + [0] * (width - len(t[:width])) for t in step.block_tables]
+        as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         meta = PagedAttentionMetadata(
-            slot_mapping=as_long(b["slots"]), query_start_loc=as_long(b["query_start_loc"]),
-            context_lens=as_long(b["context_lens"]), block_tables=as_long(block_tables),
-            max_query_len=b["max_query_len"], max_context_len=max_ctx)
-        return (as_long(b["input_ids"])[None], as_long(b["positions"])[None], meta, b["sample_rows"],
-                b["sample_requests"])
+            slot_mapping=as_long(step.slots), query_start_loc=as_long(step.query_start_loc),
+            context_lens=as_long(step.context_lens), block_tables=as_long(block_tables),
+            max_query_len=step.max_query_len, max_context_len=max_ctx)
+        return as_long(step.input_ids)[None], as_long(step.positions)[None], meta
 
-    def _forward_decode_graph(self, b: dict) -> torch.Tensor | None:
+    def _forward_decode_graph(self, step: StepInputs) -> torch.Tensor | None:
         """Hidden states `[num_sampled, hidden]` of the sampled rows, through a CUDA graph, for a step whose
         sequences all have one new token (decodes, and 1-token prefill chunks, which are sampled only if they
         finish their prompt); None if there is no graph for it."""
         graphs = self.decode_graphs
-        if graphs is None or b["max_query_len"] != 1 or len(b["input_ids"]) > graphs.sizes[-1]:
+        if graphs is None or step.max_query_len != 1 or len(step.input_ids) > graphs.sizes[-1]:
             return None
-        hidden = graphs.run(b["input_ids"], b["positions"], b["slots"], b["context_lens"], b["block_tables"])
-        rows = b["sample_rows"]
-        return hidden if len(rows) == len(b["input_ids"]) else hidden[rows]
+        hidden = graphs.run(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
+        rows = step.sample_rows
+        return hidden if len(rows) == len(step.input_ids) else hidden[rows]
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
         """Run one step. Returns the requests that got a new token, and those tokens (one host sync)."""
-        b = self.prepare_lists(items)
-        requests = b["sample_requests"]
-        hidden = self._forward_decode_graph(b)
+        step = self.prepare_lists(items)
+        requests = step.sample_requests
+        hidden = self._forward_decode_graph(step)
         if hidden is None:
-            input_ids, positions, meta, rows, requests = self.prepare(items, b)
+            input_ids, positions, meta = self.to_device(step)
             hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_cache, meta, self.attention_kernel))
-            hidden = hidden[0, rows]
+            hidden = hidden[0, step.sample_rows]
         if not requests:
             return [], []
         logits = self.model.compute_logits(hidden)                             # [num_sampled, vocab]

@@ -12,6 +12,17 @@ from minirt.attention import paged_attention_reference
 from minirt.config import ATTENTION_BACKENDS
 
 
+def triton_missing(device: torch.device, head_dim: int | None = None) -> list[str]:
+    """What the Triton kernel needs and does not have here (empty: it can run): a CUDA device, Triton, and a
+    power-of-two head_dim >= 16 (not checked when head_dim is None)."""
+    needs = [(f"a CUDA device (got {device.type})", device.type == "cuda"),
+             ("Triton installed (it is not)", importlib.util.find_spec("triton") is not None)]
+    if head_dim is not None:
+        needs.append((f"a power-of-two head_dim >= 16 (got {head_dim})",
+                      head_dim >= 16 and head_dim & (head_dim - 1) == 0))
+    return [need for need, ok in needs if not ok]
+
+
 def select_paged_attention(backend: str, device: torch.device, head_dim: int, split_kv: bool = True):
     """The paged-attention function for an engine: "torch" (the reference), "triton" (the kernel; needs
     CUDA, Triton and a power-of-two head_dim >= 16), or "auto" (triton where it can run, else torch).
@@ -19,15 +30,10 @@ def select_paged_attention(backend: str, device: torch.device, head_dim: int, sp
     Raises ValueError for an unknown name or a "triton" request that cannot run here."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    missing = [need for need, ok in (
-        (f"a CUDA device (got {device.type})", device.type == "cuda"),
-        ("Triton installed (it is not)", importlib.util.find_spec("triton") is not None),
-        (f"a power-of-two head_dim >= 16 (got {head_dim})", head_dim >= 16 and head_dim & (head_dim - 1) == 0),
-    ) if not ok]
-    can_run = not missing
-    if backend == "triton" and not can_run:
+    missing = triton_missing(device, head_dim)
+    if backend == "triton" and missing:
         raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
-    if backend == "torch" or not can_run:
+    if backend == "torch" or missing:
         return paged_attention_reference
     from minirt.kernels.paged_attention_triton import paged_attention_triton
 
