@@ -23,9 +23,9 @@ class EngineConfig:
     (flash-decoding; see `minirt.kernels.paged_attention_triton`).
     enforce_eager: never use CUDA graphs. Otherwise decode-only steps replay a CUDA graph where one can run
     (CUDA and the Triton kernel; see `minirt.cuda_graphs`).
-    fused_ops: compile RMSNorm, the rotation and SiLU-and-multiply into fused kernels with `torch.compile`
-    (see `minirt.model.layers.fused`); None = on CUDA devices only. The first engine in a process pays the
-    compilation (tens of seconds; later ones reuse it).
+    fused_ops: compile the norms (with their residual additions), the q/k norm with the rotation, and
+    SiLU-and-multiply into fused kernels with `torch.compile` (see `minirt.model.layers.fused`); None = on
+    CUDA devices only. The first engine in a process pays the compilation (tens of seconds; later ones reuse it).
     merge_projections: one GEMM for q/k/v and one for gate/up (see `minirt.model.layers.merge_linears`);
     None = on CUDA devices only.
     """

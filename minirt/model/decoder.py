@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from minirt.attention import CausalAttention
-from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rotary, fused, head_dim_of, merge_linears
+from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused, head_dim_of, merge_linears, norm_and_rotate
 
 #: model_type -> (qkv_bias, qk_norm); `None` means "read config.attention_bias".
 SUPPORTED_ARCHITECTURES = {"qwen3": (None, True), "qwen2": (True, False), "llama": (None, False)}
@@ -28,7 +28,7 @@ AttentionBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 
 class DecoderAttention(nn.Module):
-    fuse = False            # True: the rotation runs as one compiled kernel (`minirt.model.layers.fused`)
+    fuse = False            # True: q/k norm and rotation run compiled (`minirt.model.layers.fused`)
 
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
@@ -66,10 +66,8 @@ class DecoderAttention(nn.Module):
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        rotate = fused(apply_rotary) if self.fuse else apply_rotary
-        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+        norm_weights = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        q, k = (fused(norm_and_rotate) if self.fuse else norm_and_rotate)(q, k, cos, sin, *norm_weights)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
@@ -83,9 +81,20 @@ class DecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act,
                             bias=bool(getattr(config, "mlp_bias", False)))
 
-    def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, attn):
+        """`x`: the previous layer's MLP output, not yet added to `residual`, the residual stream (None before
+        the first layer, where `x` is the embedding). Returns this layer's MLP output and the stream.
+
+        Each residual addition happens inside the next norm (`RMSNorm.forward(x, residual)`), vLLM's layout:
+        the same sums as `x = x + attn(norm(x)); x = x + mlp(norm(x))`, in fewer passes over memory.
+        """
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class DecoderBody(nn.Module):
@@ -139,12 +148,14 @@ class DecoderModel(nn.Module):
             attn = CausalAttention()
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
+        residual = None
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, cos, sin, attn)
+        return self.model.norm(x, residual)[0]
 
     def set_fused_ops(self, enabled: bool) -> None:
-        """Run RMSNorm, the rotation and SiLU-and-multiply as compiled kernels (True) or op by op (False).
+        """Run the norms (with their residual additions), the rotation and SiLU-and-multiply as compiled kernels
+        (True) or op by op (False).
         Same functions either way; see `minirt.model.layers.fused`."""
         for module in self.modules():
             if hasattr(type(module), "fuse"):

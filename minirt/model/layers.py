@@ -46,11 +46,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x.to(dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual addition and the next norm in one pass: `(rms_norm(s), s)` with `s = residual + x`.
+
+    Compiled (`fused`), the sum is read once for both outputs instead of being written by an add kernel and
+    read back by the norm's: vLLM's `fused_add_rms_norm`, which its models use between every two sublayers.
+    """
+    x = residual + x
+    return rms_norm(x, weight, eps), x
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization").
 
-    `y = x / sqrt(mean(x**2) + eps) * weight` (see `rms_norm`). Input and output: `[..., hidden_size]`.
-    With `fuse = True` the same function runs as one compiled kernel (`fused`).
+    `forward(x)`: `y = x / sqrt(mean(x**2) + eps) * weight` (see `rms_norm`), `[..., hidden_size]` in and out.
+    `forward(x, residual)`: adds `x` into the residual stream first and returns `(y, new residual)`
+    (see `add_rms_norm`). With `fuse = True` the same functions run as compiled kernels (`fused`).
     """
 
     fuse = False
@@ -60,8 +72,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (fused(rms_norm) if self.fuse else rms_norm)(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return (fused(rms_norm) if self.fuse else rms_norm)(x, self.weight, self.eps)
+        return (fused(add_rms_norm) if self.fuse else add_rms_norm)(x, residual, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -114,6 +128,20 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
         return x * cos + rotate_half(x) * sin
     x_rot, x_pass = x[..., :rot], x[..., rot:]
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k (skipped when the weights are None), then the rotation of both.
+
+    q `[B, T, num_heads, head_dim]`, k `[B, T, num_kv_heads, head_dim]`, cos/sin `[B, T, rotary_dim]`.
+    One function so that `fused` compiles the four elementwise passes together (vLLM fuses the q/k norm and
+    the rotary embedding the same way).
+    """
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
 def merge_linears(*linears: nn.Linear) -> nn.Linear:
