@@ -150,18 +150,20 @@ class PagedAttention:
     """Attention backend over one preallocated paged KV cache (see `minirt.kv.paged_cache`).
 
     `kv_cache` `[num_layers, 2, num_blocks, block_size, Hkv, D]`. Each call writes the new tokens'
-    K/V into their slots, then attends over each sequence's whole context.
+    K/V into their slots (`store`), then attends over each sequence's whole context (`kernel`).
     """
 
-    def __init__(self, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, kernel=paged_attention_reference):
+    def __init__(self, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, kernel=paged_attention_reference,
+                 store=store_kv):
         self.kv_cache = kv_cache
         self.meta = meta
         self.kernel = kernel          # paged_attention_reference, or a GPU kernel with the same contract
+        self.store = store            # store_kv, or a GPU kernel with the same contract
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         assert q.shape[0] == 1, "paged attention takes a packed batch [1, num_tokens]"
         k_cache, v_cache = self.kv_cache[layer_idx]
-        store_kv(k_cache, v_cache, k[0], v[0], self.meta.slot_mapping)
+        self.store(k_cache, v_cache, k[0], v[0], self.meta.slot_mapping)
         return self.kernel(q[0], k_cache, v_cache, self.meta)[None]
 
 

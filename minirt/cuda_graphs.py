@@ -24,7 +24,7 @@ import bisect
 
 import torch
 
-from minirt.attention import PagedAttention, PagedAttentionMetadata
+from minirt.attention import PagedAttention, PagedAttentionMetadata, store_kv
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -42,13 +42,14 @@ class DecodeGraphs:
     the hidden states `[num_seqs, hidden_size]`: a view of the graph's output buffer, which the next `run`
     overwrites. `num_seqs` must be at most `max_num_seqs`; block tables at most `max_blocks_per_seq` long.
 
+    `kernel`, `store`: the paged-attention kernel and K/V write (see `minirt.attention.PagedAttention`).
     `capture=False` runs the same padded static-buffer forward eagerly instead of replaying a graph: the
     padding and buffer logic, testable on a CPU with the torch reference kernel.
     """
 
     def __init__(self, model, kv_cache: torch.Tensor, kernel, max_num_seqs: int, max_blocks_per_seq: int,
-                 scratch_block: int, capture: bool = True):
-        self.model, self.kv_cache, self.kernel = model, kv_cache, kernel
+                 scratch_block: int, capture: bool = True, store=store_kv):
+        self.model, self.kv_cache, self.kernel, self.store = model, kv_cache, kernel, store
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks_per_seq = max_blocks_per_seq
         block_size = kv_cache.shape[3]
@@ -80,7 +81,7 @@ class DecodeGraphs:
         meta = PagedAttentionMetadata(
             slot_mapping=v[2, :size], query_start_loc=self.query_start_loc[:size + 1], context_lens=v[3, :size],
             block_tables=self.tables[:size], max_query_len=1, max_context_len=self.max_context_len)
-        hidden = self.model(v[0, :size][None], v[1, :size][None], attn=PagedAttention(self.kv_cache, meta, self.kernel))
+        hidden = self.model(v[0, :size][None], v[1, :size][None], attn=PagedAttention(self.kv_cache, meta, self.kernel, self.store))
         return hidden[0]
 
     @torch.inference_mode()

@@ -124,7 +124,7 @@ class Engine:
                                                   max_num_seqs)
             self.config.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
-        kernel = select_paged_attention(attention_backend, self.device, head_dim_of(mc), split_kv)
+        kernel, store = select_paged_attention(attention_backend, self.device, head_dim_of(mc), split_kv)
         use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
         # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
         kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
@@ -135,8 +135,8 @@ class Engine:
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(self.model, kv_cache, kernel, max_num_seqs, cdiv(max_model_len, block_size),
-                                  scratch_block=num_kv_blocks)
-        self.model_runner = ModelRunner(self.model, kv_cache, block_size, kernel, graphs)
+                                  scratch_block=num_kv_blocks, store=store)
+        self.model_runner = ModelRunner(self.model, kv_cache, block_size, kernel, graphs, store)
         self.pool = BlockPool(num_kv_blocks)
         self.prefix_cache = PrefixCache(self.pool, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.pool, self.prefix_cache)

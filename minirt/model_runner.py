@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minirt.attention import PagedAttention, PagedAttentionMetadata, paged_attention_reference
+from minirt.attention import PagedAttention, PagedAttentionMetadata, paged_attention_reference, store_kv
 from minirt.kv.paged_cache import slot_mapping
 from minirt.model.decoder import DecoderModel
 from minirt.request import Request
@@ -42,17 +42,19 @@ class StepInputs:
 class ModelRunner:
     """Owns the model and the KV tensor; knows nothing about scheduling.
 
+    `attention_kernel`, `store`: the paged-attention kernel and K/V write (see `minirt.attention.PagedAttention`).
     `decode_graphs`: a `minirt.cuda_graphs.DecodeGraphs`, used for steps in which every sequence has one new
     token (chapter 07).
     """
 
     def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int,
-                 attention_kernel=paged_attention_reference, decode_graphs=None):
+                 attention_kernel=paged_attention_reference, decode_graphs=None, store=store_kv):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
         self.attention_kernel = attention_kernel
+        self.store = store
         self.decode_graphs = decode_graphs
 
     def prepare_lists(self, items: list[tuple[Request, int]]) -> StepInputs:
@@ -104,7 +106,7 @@ class ModelRunner:
         hidden = self._forward_decode_graph(step)
         if hidden is None:
             input_ids, positions, meta = self.to_device(step)
-            hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_cache, meta, self.attention_kernel))
+            hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_cache, meta, self.attention_kernel, self.store))
             hidden = hidden[0, step.sample_rows]
         if not requests:
             return [], []

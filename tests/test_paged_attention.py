@@ -154,3 +154,31 @@ def test_combine_splits_equals_attention_over_all_keys(num_splits):
         acc[..., j, :] = torch.einsum("thn,nhd->thd", p, v[lo:hi])
     want = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
     torch.testing.assert_close(combine_splits(acc, m, l), want, atol=1e-12, rtol=1e-12)
+
+
+STORES = [pytest.param(store_kv, "cpu", id="torch-cpu")]
+if CUDA:
+    from minirt.kernels.paged_attention_triton import store_kv_triton
+
+    STORES += [pytest.param(store_kv, "cuda", id="torch-cuda"), pytest.param(store_kv_triton, "cuda", id="triton-cuda")]
+
+
+@pytest.mark.parametrize("store,device", STORES)
+@pytest.mark.parametrize("num_kv_heads,head_dim", [(2, 32), (8, 128), (3, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kv_writes_each_token_to_its_slot_only(store, device, num_kv_heads, head_dim, dtype):
+    """Oracle: one token at a time into a copy of the cache; every other slot keeps its old value. k and v are
+    slices of one merged projection (strided rows), as the engine passes them."""
+    gen = torch.Generator().manual_seed(num_kv_heads * head_dim)
+    num_blocks, block_size, num_tokens = 7, 4, 13
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    merged = torch.randn(num_tokens, 3, num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
+    k, v = merged[:, 1], merged[:, 2]
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(device)
+    want_k, want_v = k_cache.clone().view(-1, num_kv_heads, head_dim), v_cache.clone().view(-1, num_kv_heads, head_dim)
+    for t, slot in enumerate(slots.tolist()):
+        want_k[slot], want_v[slot] = k[t], v[t]
+    store(k_cache, v_cache, k, v, slots)
+    assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim), want_k)
+    assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), want_v)

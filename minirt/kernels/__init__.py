@@ -8,7 +8,7 @@ import importlib.util
 
 import torch
 
-from minirt.attention import paged_attention_reference
+from minirt.attention import paged_attention_reference, store_kv
 from minirt.config import ATTENTION_BACKENDS
 
 
@@ -24,7 +24,8 @@ def triton_missing(device: torch.device, head_dim: int | None = None) -> list[st
 
 
 def select_paged_attention(backend: str, device: torch.device, head_dim: int, split_kv: bool = True):
-    """The paged-attention function for an engine: "torch" (the reference), "triton" (the kernel; needs
+    """The paged-attention kernel and K/V write for an engine, as `(attention_kernel, store)`: "torch"
+    (`paged_attention_reference`, `store_kv`), "triton" (`paged_attention_triton`, `store_kv_triton`; needs
     CUDA, Triton and a power-of-two head_dim >= 16), or "auto" (triton where it can run, else torch).
     split_kv=False keeps the Triton kernel at one program per (sequence, KV head) (see its `num_splits`).
     Raises ValueError for an unknown name or a "triton" request that cannot run here."""
@@ -34,7 +35,8 @@ def select_paged_attention(backend: str, device: torch.device, head_dim: int, sp
     if backend == "triton" and missing:
         raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
     if backend == "torch" or missing:
-        return paged_attention_reference
-    from minirt.kernels.paged_attention_triton import paged_attention_triton
+        return paged_attention_reference, store_kv
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, store_kv_triton
 
-    return paged_attention_triton if split_kv else functools.partial(paged_attention_triton, num_splits=1)
+    kernel = paged_attention_triton if split_kv else functools.partial(paged_attention_triton, num_splits=1)
+    return kernel, store_kv_triton

@@ -11,6 +11,7 @@ walking the whole context alone. Split-KV lets several programs share one sequen
 its own running softmax, and a second kernel combines them (chapter 07).
 
 Same contract as `minirt.attention.paged_attention_reference`, which the tests compare it with.
+`store_kv_triton` is the backend's K/V write: `minirt.attention.store_kv` in one launch.
 """
 
 from __future__ import annotations
@@ -160,3 +161,35 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _combine_splits_kernel[(num_tokens, num_heads)](out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
                                                         HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
     return out
+
+
+@triton.jit
+def _store_kv_kernel(K, V, KCache, VCache, slot_mapping, stride_kt, stride_vt, stride_slot,
+                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping + token).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < ROW
+    tl.store(KCache + slot * stride_slot + offs, tl.load(K + token * stride_kt + offs, mask=mask), mask=mask)
+    tl.store(VCache + slot * stride_slot + offs, tl.load(V + token * stride_vt + offs, mask=mask), mask=mask)
+
+
+def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    slot_mapping: torch.Tensor) -> None:
+    """`minirt.attention.store_kv` as one kernel for keys and values: one program per token copies its
+    `Hkv * D` keys and values into its slot (vLLM's `reshape_and_cache_flash`). Two indexed assignments in
+    torch are two launches, each slower than this one.
+
+    k_cache/v_cache `[num_blocks, block_size, Hkv, D]` (contiguous); k/v `[num_tokens, Hkv, D]`, each token's
+    `Hkv * D` values contiguous (rows may be strided, as slices of a merged q/k/v projection are).
+    """
+    num_tokens, num_kv_heads, head_dim = k.shape
+    row = num_kv_heads * head_dim
+    for x in (k, v):
+        if x.stride(2) != 1 or x.stride(1) != head_dim:
+            raise ValueError(f"k/v: each token's {num_kv_heads} x {head_dim} values must be contiguous, "
+                             f"got strides {tuple(x.stride())}")
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                                    k_cache.stride(1), ROW=row, BLOCK=triton.next_power_of_2(row))
