@@ -56,16 +56,20 @@ class DecodeGraphs:
         self.scratch_block, self.scratch_slot = scratch_block, scratch_block * block_size
         self.max_context_len = max_blocks_per_seq * block_size
         n, dev = max_num_seqs, model.device
-        # Host staging buffers (pinned: the copies to the device run asynchronously) and their device twins.
-        # Rows of `vectors`: 0 input ids, 1 positions, 2 slot mapping, 3 context lengths. Each step copies
-        # all of `vectors` (a few KB, contiguous) and the first rows of `tables` (contiguous too).
+        # One host staging buffer (pinned: the copy to the device runs asynchronously) and its device twin,
+        # each viewed as `vectors` [4, n] (rows: input ids, positions, slot mapping, context lengths) followed
+        # by `tables` [n, max_blocks_per_seq]. A step of `size` rows copies the first 4 * n + size * max_blocks
+        # entries: one contiguous copy.
         pin = dev.type == "cuda"
-        self.host_vectors = torch.zeros(4, n, dtype=torch.long, pin_memory=pin)
-        self.host_tables = torch.full((n, max_blocks_per_seq), scratch_block, dtype=torch.long, pin_memory=pin)
+        self.host_buffer = torch.zeros(4 * n + n * max_blocks_per_seq, dtype=torch.long, pin_memory=pin)
+        self.host_vectors = self.host_buffer[:4 * n].view(4, n)
+        self.host_tables = self.host_buffer[4 * n:].view(n, max_blocks_per_seq)
+        self.host_tables.fill_(scratch_block)
         self.host_vectors[2] = self.scratch_slot                   # until the first step: every row is padding
         self.host_vectors[3] = 1
-        self.vectors = self.host_vectors.to(dev, copy=True)
-        self.tables = self.host_tables.to(dev, copy=True)
+        self.buffer = self.host_buffer.to(dev, copy=True)
+        self.vectors = self.buffer[:4 * n].view(4, n)
+        self.tables = self.buffer[4 * n:].view(n, max_blocks_per_seq)
         self.query_start_loc = torch.arange(n + 1, device=dev)     # one token per row, always (padding rows too)
         # Recorded after each step's copies: the next step may refill the pinned buffers only once the copies
         # have read them (a step whose rows are all unsampled prefill chunks ends without a host sync).
@@ -115,8 +119,8 @@ class DecodeGraphs:
         ht[num_seqs:size, 0] = self.scratch_block
         for row, table in enumerate(block_tables):
             ht[row, :len(table)] = table                           # entries past a row's context are never read
-        self.vectors.copy_(self.host_vectors, non_blocking=True)
-        self.tables[:size].copy_(self.host_tables[:size], non_blocking=True)
+        end = self.host_vectors.numel() + size * self.max_blocks_per_seq
+        self.buffer[:end].copy_(self.host_buffer[:end], non_blocking=True)
         if self.copies_done is not None:
             self.copies_done.record()
             self.copies_pending = True
