@@ -36,7 +36,8 @@ from minirt.bench import bench, build_random_qwen3, environment, free_memory, ma
 from minirt.metrics import format_table
 
 #: (label, minirt.LLM settings): each step adds one optimization to the one before.
-_OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False)
+_OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False,
+            gemv=False)
 STEPS = [
     ("eager, torch attention", _OFF),
     ("+ Triton paged attention", {**_OFF, "attention_backend": "triton"}),
@@ -46,7 +47,9 @@ STEPS = [
     ("+ merged projections", {**_OFF, "attention_backend": "triton", "enforce_eager": False, "fused_ops": True,
                               "merge_projections": True}),
     ("+ split-KV decode attention", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
-                                         fused_ops=True, merge_projections=True)),
+                                         fused_ops=True, merge_projections=True, gemv=False)),
+    ("+ Triton GEMV (batch 1)", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
+                                     fused_ops=True, merge_projections=True, gemv=True)),
 ]
 
 

@@ -309,7 +309,8 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             "attention_kernel": getattr(kernel, "__name__", None) or f"{kernel.func.__name__}{kernel.keywords}",
             "cuda_graphs": engine.model_runner.decode_graphs is not None,
             "fused_ops": engine.model.model.norm.fuse,
-            "merged_projections": engine.model.model.layers[0].self_attn.qkv_proj is not None, "num_kv_blocks": engine.config.num_kv_blocks,
+            "merged_projections": engine.model.model.layers[0].self_attn.qkv_proj is not None,
+            "gemv": engine.model.lm_head.gemv is not None, "num_kv_blocks": engine.config.num_kv_blocks,
             "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size
         report["model"]["weight_bytes"] = weight_bytes = sum(p.numel() * p.element_size()
@@ -411,6 +412,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="minirt's torch.compile-fused elementwise ops (auto: on CUDA only)")
     p.add_argument("--merge-projections", choices=["auto", "on", "off"], default="auto",
                    help="minirt's merged q/k/v and gate/up GEMMs (auto: on CUDA only)")
+    p.add_argument("--gemv", choices=["auto", "on", "off"], default="auto",
+                   help="minirt's Triton matrix-vector kernel for one-row GEMMs (auto: where it can run)")
     return p
 
 
@@ -423,7 +426,7 @@ def engine_kwargs_of(args) -> dict:
         kwargs["split_kv"] = False
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
-    for name in ("fused_ops", "merge_projections"):
+    for name in ("fused_ops", "merge_projections", "gemv"):
         if getattr(args, name) != "auto":
             kwargs[name] = getattr(args, name) == "on"
     return kwargs

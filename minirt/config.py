@@ -28,6 +28,9 @@ class EngineConfig:
     CUDA devices only. The first engine in a process pays the compilation (tens of seconds; later ones reuse it).
     merge_projections: one GEMM for q/k/v and one for gate/up (see `minirt.model.layers.merge_linears`);
     None = on CUDA devices only.
+    gemv: one-row matrix products (every GEMM of a batch-1 decode step, and its LM head) through the Triton
+    matrix-vector kernel instead of cuBLAS (see `minirt.kernels.gemv_triton`); None = where it can run
+    (CUDA with Triton).
     """
 
     block_size: int = 16
@@ -42,6 +45,7 @@ class EngineConfig:
     enforce_eager: bool = False
     fused_ops: bool | None = None
     merge_projections: bool | None = None
+    gemv: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -57,7 +61,7 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "split_kv", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
-        for name in ("fused_ops", "merge_projections"):
+        for name in ("fused_ops", "merge_projections", "gemv"):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}: must be a bool or None (None = on CUDA only), got {value!r}")

@@ -33,7 +33,7 @@ import torch
 from minirt.attention import paged_attention_reference
 from minirt.config import EngineConfig, cdiv
 from minirt.cuda_graphs import DecodeGraphs
-from minirt.kernels import select_paged_attention
+from minirt.kernels import select_paged_attention, triton_missing
 from minirt.kv.block_pool import BlockPool
 from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
@@ -106,10 +106,10 @@ class Engine:
                  max_num_batched_tokens: int = 8192, max_prefill_chunk: int = 1024,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", split_kv: bool = True, enforce_eager: bool = False,
-                 fused_ops: bool | None = None, merge_projections: bool | None = None):
+                 fused_ops: bool | None = None, merge_projections: bool | None = None, gemv: bool | None = None):
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                    max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
-                                   split_kv, enforce_eager, fused_ops, merge_projections)
+                                   split_kv, enforce_eager, fused_ops, merge_projections, gemv)
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config
@@ -125,6 +125,10 @@ class Engine:
             self.config.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         kernel, store = select_paged_attention(attention_backend, self.device, head_dim_of(mc), split_kv)
+        missing = triton_missing(self.device)
+        if gemv and missing:
+            raise ValueError(f"gemv: the Triton matrix-vector kernel needs {' and '.join(missing)}")
+        use_gemv = not missing if gemv is None else gemv
         use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
         # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
         kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
@@ -132,6 +136,10 @@ class Engine:
         self.model.set_fused_ops(on_cuda if fused_ops is None else fused_ops)
         if merge_projections or (merge_projections is None and on_cuda):
             self.model.merge_projections()
+        if use_gemv:
+            from minirt.kernels.gemv_triton import linear_gemv
+
+            self.model.set_gemv(linear_gemv)
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(self.model, kv_cache, kernel, max_num_seqs, cdiv(max_model_len, block_size),

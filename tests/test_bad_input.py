@@ -121,7 +121,7 @@ def test_bad_request_ids_and_timeouts(tiny_models, engine_kw):
                                          ("max_model_len", 10**6), ("dtype", "int8"),
                                          ("attention_backend", "cuda"), ("attention_backend", None),
                                          ("split_kv", 1), ("enforce_eager", "yes"), ("fused_ops", "on"),
-                                         ("merge_projections", 0)])
+                                         ("merge_projections", 0), ("gemv", "yes")])
 def test_bad_engine_settings(tiny_models, field, value):
     with pytest.raises(ValueError, match=field):
         minirt.Engine(tiny_models["llama"], **{field: value})
@@ -131,6 +131,8 @@ def test_bad_engine_settings(tiny_models, field, value):
 def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models):
     with pytest.raises(ValueError, match=r"attention_backend: 'triton' needs a CUDA device \(got cpu\)"):
         minirt.Engine(tiny_models["llama"], device="cpu", attention_backend="triton")
+    with pytest.raises(ValueError, match=r"gemv: the Triton matrix-vector kernel needs a CUDA device \(got cpu\)"):
+        minirt.Engine(tiny_models["llama"], device="cpu", gemv=True)
 
 
 @pytest.mark.parametrize("device,words", [("cuda:99", "device: 'cuda:99'"), ("foo", "device: expected 'cpu'"),

@@ -86,12 +86,12 @@ def test_tables_print(bench_run):
                for line in stdout.splitlines())
 
 
-def _optimizations_module():
+def _benchmark_module(name: str = "optimizations"):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "optimizations.py"
-    spec = importlib.util.spec_from_file_location("optimizations", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -105,21 +105,30 @@ def test_optimization_steps_add_one_switch_each():
     from minirt.config import EngineConfig
     from minirt.engine import Engine
 
-    steps = _optimizations_module().STEPS
+    steps = _benchmark_module().STEPS
     for (_, before), (label, after) in zip(steps, steps[1:]):
         changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
         assert len(changed) == 1, f"{label}: changes {sorted(changed)}"
     for _, kwargs in steps:
         EngineConfig(**kwargs)                                 # valid values (raises otherwise)
     defaults = {k: p.default for k, p in inspect.signature(Engine).parameters.items() if k in steps[-1][1]}
-    resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True}
+    resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True,
+                        "gemv": True}
     assert steps[-1][1] == resolved_on_cuda
 
 
 def test_optimizations_script_needs_cuda():
     if __import__("torch").cuda.is_available():
         pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
-    assert _optimizations_module().main(["--quick"]) == 2
+    assert _benchmark_module().main(["--quick"]) == 2
+
+
+def test_gemv_benchmark_needs_cuda(monkeypatch, capsys):
+    if __import__("torch").cuda.is_available():
+        pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
+    monkeypatch.setattr("sys.argv", ["gemv.py", "--quick"])
+    assert _benchmark_module("gemv").main() == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
 
 
 def _bench_args(*argv):
@@ -137,9 +146,9 @@ def test_engine_switches_from_the_command_line():
 
     assert engine_kwargs_of(_bench_args()) == {}                # defaults: nothing overridden
     args = _bench_args("--attention-backend", "torch", "--no-split-kv", "--enforce-eager", "--fused-ops", "off",
-                       "--merge-projections", "on")
+                       "--merge-projections", "on", "--gemv", "off")
     assert engine_kwargs_of(args) == {"attention_backend": "torch", "split_kv": False, "enforce_eager": True,
-                                      "fused_ops": False, "merge_projections": True}
+                                      "fused_ops": False, "merge_projections": True, "gemv": False}
 
 
 @pytest.mark.parametrize("argv,words", [(["--threads", "0"], "--threads: must be an integer >= 1"),

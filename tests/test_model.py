@@ -133,3 +133,24 @@ def test_unsupported_architecture_raises(tmp_path):
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "gpt2", safe_serialization=True)
     with pytest.raises(ValueError, match="(?i)gpt2|architecture|model_type"):
         minirt.load_model(str(tmp_path / "gpt2"), device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton GEMV kernel runs on CUDA only")
+def test_one_token_forward_with_gemv_equals_transformers(tiny_model_path):
+    """Chapter 07's `gemv` switch: a one-token forward sends every projection and the LM head to the Triton
+    matrix-vector kernel (counted), and the logits stay those of transformers (float32)."""
+    from minirt.kernels.gemv_triton import linear_gemv
+
+    model, _ = minirt.load_model(tiny_model_path, device="cuda", dtype=torch.float32)
+    calls = []
+    model.set_gemv(lambda x, w, b: calls.append(w.shape) or linear_gemv(x, w, b))
+    ids = torch.tensor(random_prompts(3, [1]))                      # one token: every matmul has one row
+    got = _minirt_logits(model, ids)
+    want = hf_logits(tiny_model_path, ids)
+    num_layers = model.config.num_hidden_layers
+    assert len(calls) == 7 * num_layers + 1                        # q, k, v, o, gate, up, down per layer; LM head
+    torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4)
+    model.set_gemv(None)
+    calls.clear()
+    _minirt_logits(model, ids)
+    assert not calls

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 from minirt.attention import CausalAttention
-from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, fused, head_dim_of, merge_linears, norm_and_rotate
+from minirt.model.layers import (GatedMLP, Linear, RMSNorm, RotaryEmbedding, fused, head_dim_of, merge_linears,
+                                 norm_and_rotate)
 
 #: model_type -> (qkv_bias, qk_norm); `None` means "read config.attention_bias".
 SUPPORTED_ARCHITECTURES = {"qwen3": (None, True), "qwen2": (True, False), "llama": (None, False)}
@@ -37,12 +38,12 @@ class DecoderAttention(nn.Module):
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = head_dim_of(config)
         h, d = config.hidden_size, self.head_dim
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=qkv_bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.q_proj = Linear(h, self.num_heads * d, bias=qkv_bias)
+        self.k_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
+        self.v_proj = Linear(h, self.num_kv_heads * d, bias=qkv_bias)
         # Qwen2 biases q/k/v only; Llama and Qwen3 put `attention_bias` on all four projections.
         o_bias = config.model_type != "qwen2" and bool(getattr(config, "attention_bias", False))
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias)
+        self.o_proj = Linear(self.num_heads * d, h, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm:
             self.q_norm = RMSNorm(d, config.rms_norm_eps)
@@ -130,7 +131,7 @@ class DecoderModel(nn.Module):
             qkv_bias = bool(getattr(config, "attention_bias", False))
         self.config = config
         self.model = DecoderBody(config, qkv_bias, qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -160,6 +161,14 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if hasattr(type(module), "fuse"):
                 module.fuse = enabled
+
+    def set_gemv(self, gemv) -> None:
+        """Send one-row inputs of every projection and of the LM head to `gemv` (a function with `F.linear`'s
+        contract, e.g. `minirt.kernels.gemv_triton.linear_gemv`), or back to `F.linear` (None).
+        See `minirt.model.layers.Linear`."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.gemv = gemv
 
     def merge_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up in every layer (see `minirt.model.layers.merge_linears`).

@@ -144,8 +144,22 @@ def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def merge_linears(*linears: nn.Linear) -> nn.Linear:
-    """One `nn.Linear` whose output is the outputs of `linears` side by side: one GEMM instead of several.
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint names) whose one-row inputs can go to a matrix-vector
+    kernel instead of cuBLAS: `gemv` is None (always `F.linear`) or a function with `F.linear`'s contract
+    for one row, such as `minirt.kernels.gemv_triton.linear_gemv` (chapter 07, `EngineConfig.gemv`).
+    """
+
+    gemv = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gemv is not None and x.numel() == x.shape[-1]:       # one row: a batch-1 decode step
+            return self.gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def merge_linears(*linears: nn.Linear) -> Linear:
+    """One `Linear` whose output is the outputs of `linears` side by side: one GEMM instead of several.
 
     Every projection of a decode step is a matrix-vector product that reads its weight once; small ones
     cost a kernel launch and a wave of thread blocks each, whatever their size. vLLM loads q/k/v into one
@@ -153,8 +167,8 @@ def merge_linears(*linears: nn.Linear) -> nn.Linear:
     """
     first = linears[0]
     has_bias = first.bias is not None
-    merged = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=has_bias,
-                       device=first.weight.device, dtype=first.weight.dtype)
+    merged = Linear(first.in_features, sum(m.out_features for m in linears), bias=has_bias,
+                    device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
         merged.weight.copy_(torch.cat([m.weight for m in linears]))
         if has_bias:
@@ -174,9 +188,9 @@ class GatedMLP(nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.up_proj = Linear(hidden_size, intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
         if hidden_act not in ("silu", "swish"):
             raise ValueError(f"hidden_act: only 'silu' is supported, got {hidden_act!r}")
         self.gate_up_proj = None      # set by merge_projections (chapter 07)

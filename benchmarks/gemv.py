@@ -1,0 +1,195 @@
+"""M = 1 matrix-vector products in bf16 on CUDA: F.linear (cuBLAS) against minirt's Triton `linear_gemv`.
+
+For each shape: eager time (CUDA events over ITERS calls after warm-up), time inside a captured CUDA graph of
+GRAPH_CALLS calls (no launch overhead), GB/s of weight reads, agreement with F.linear. Each shape cycles
+through copies of W that together exceed the L2 (60 MB on an H200), so every call streams W from HBM as a
+decode step does. Then a sweep of (block_n, block_k, split_k, num_warps) in the graph: the best per shape, the
+best single config, and what `choose_config` picked. Writes `gemv-cuda[-quick]-<date>.json` to --out
+(default `benchmarks/results`). Chapter 07 cites its figures; `choose_config`'s defaults come from it.
+
+    python benchmarks/gemv.py            # full sweep (a few minutes, mostly Triton compiles)
+    python benchmarks/gemv.py --quick    # defaults and a handful of configs
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+G = None        # minirt.kernels.gemv_triton, imported in main() once CUDA (and so Triton) is known to be there
+
+SHAPES = [(1024, 4096), (1024, 6144), (2048, 1024), (3072, 1024), (1024, 151936)]   # (K, N)
+ITERS, GRAPH_CALLS, REPLAYS, REPEATS = 200, 50, 4, 5
+ROTATE_BYTES = 256 << 20
+DTYPE = torch.bfloat16
+
+
+def candidates(quick: bool) -> list[G.GemvConfig]:
+    if quick:
+        return [G.GemvConfig(1, 1024, 1, 4), G.GemvConfig(2, 2048, 1, 4), G.GemvConfig(4, 1024, 1, 4),
+                G.GemvConfig(8, 512, 1, 4), G.GemvConfig(4, 512, 2, 4), G.GemvConfig(16, 1024, 1, 8)]
+    out = []
+    for bn, bk, sk, nw in itertools.product((1, 2, 4, 8, 16), (256, 512, 1024, 2048, 4096), (1, 2, 4), (2, 4, 8)):
+        per_thread = bn * bk // (32 * nw)
+        if 8 <= per_thread <= 64:          # >= one 16-byte load per thread, and no register spills
+            out.append(G.GemvConfig(bn, bk, sk, nw))
+    return out
+
+
+def fits(cfg: G.GemvConfig, k: int) -> bool:
+    """Skip configs that waste the shape: a chunk much wider than K, or split-K shares with no chunk."""
+    return cfg.block_k <= max(16, 1 << (k - 1).bit_length()) and cfg.split_k * cfg.block_k <= max(k, cfg.block_k)
+
+
+def ev():
+    return torch.cuda.Event(enable_timing=True)
+
+
+def time_eager(fn, x, ws) -> float:
+    for i in range(20):
+        fn(x, ws[i % len(ws)])
+    torch.cuda.synchronize()
+    s, e = ev(), ev()
+    s.record()
+    for i in range(ITERS):
+        fn(x, ws[i % len(ws)])
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) * 1e3 / ITERS
+
+
+def time_graph(fn, x, ws) -> float:
+    fn(x, ws[0])                                       # compile / cuBLAS handle outside the capture
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(GRAPH_CALLS):
+            fn(x, ws[i % len(ws)])
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPEATS):
+        s, e = ev(), ev()
+        s.record()
+        for _ in range(REPLAYS):
+            g.replay()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) * 1e3 / (REPLAYS * GRAPH_CALLS))
+    del g
+    return statistics.median(times)
+
+
+def rel_diff(x, w, cfg=None) -> float:
+    out = G.linear_gemv(x, w, config=cfg).float()
+    ref = F.linear(x.double(), w.double())
+    return ((out.double() - ref).abs().max() / ref.abs().max()).item()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("error: the GEMV benchmark needs a CUDA device", file=sys.stderr)
+        return 2
+    global G
+    from minirt.kernels import gemv_triton as G
+    import triton
+    props = torch.cuda.get_device_properties(0)
+    print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
+
+    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")   # HBM ceiling: a 1 GiB copy (read + write)
+    dst = torch.empty_like(big)
+    dst.copy_(big)
+    s, e = ev(), ev()
+    s.record()
+    for _ in range(5):
+        dst.copy_(big)
+    e.record()
+    e.synchronize()
+    print(f"device copy: {2 * 5 * big.numel() / (s.elapsed_time(e) * 1e-3) / 1e9:.0f} GB/s (read + write)")
+    del big, dst
+
+    cands = candidates(args.quick)
+    torch.manual_seed(0)
+    rows, sweep = [], {}
+    for k, n in SHAPES:
+        wbytes = n * k * DTYPE.itemsize
+        copies = max(1, math.ceil(ROTATE_BYTES / wbytes))
+        ws = [torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5 for _ in range(copies)]
+        x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+        default = G.choose_config(n, k, props.multi_processor_count)
+        row = dict(shape=f"[1,{k}]x[{n},{k}]^T", MB=wbytes / 1e6, default=tuple(default),
+                   cublas_eager=time_eager(F.linear, x, ws), gemv_eager=time_eager(G.linear_gemv, x, ws),
+                   cublas_graph=time_graph(F.linear, x, ws), gemv_graph=time_graph(G.linear_gemv, x, ws),
+                   diff=rel_diff(x, ws[0]))
+        t0 = time.time()
+        results = []
+        for cfg in cands:
+            if not fits(cfg, k):
+                continue
+            try:
+                d = rel_diff(x, ws[0], cfg)
+                us = time_graph(lambda x_, w_, c=cfg: G.linear_gemv(x_, w_, config=c), x, ws)
+            except Exception as err:                   # e.g. out of resources for a large tile
+                print(f"  {tuple(cfg)}: {type(err).__name__}: {str(err)[:120]}")
+                continue
+            results.append((us, tuple(cfg), d))
+        results.sort()
+        sweep[row["shape"]] = results
+        row["best"], row["best_graph"] = (results[0][1], results[0][0]) if results else (None, float("nan"))
+        rows.append(row)
+        print(f"{row['shape']}: swept {len(results)} configs in {time.time() - t0:.0f} s; fastest:", flush=True)
+        for us, cfg, d in results[:5]:
+            print(f"    {cfg}  {us:6.2f} us  {wbytes / us / 1e3:6.0f} GB/s  diff {d:.1e}")
+        bad = [(cfg, d) for _, cfg, d in results if not d <= 1e-2]
+        if bad:
+            print(f"    DISAGREE with F.linear: {bad}")
+        del ws
+
+    print("\n(us per call; GB/s = weight bytes / time; 'graph' = inside a CUDA graph of "
+          f"{GRAPH_CALLS} calls; default = choose_config; diff = max|gemv - ref| / max|ref|)")
+    hdr = (f"{'shape':24} {'MB':>6} | {'eager cuBLAS':>12} {'gemv':>6} | {'graph cuBLAS':>12} {'GB/s':>5} | "
+           f"{'gemv dflt':>9} {'GB/s':>5} | {'gemv best':>9} {'GB/s':>5} {'best config (bn,bk,sk,nw)':>26} | "
+           f"{'default config':>20} {'diff':>7}")
+    print(hdr)
+    for r in rows:
+        def gbs(us, mb=r["MB"]):
+            return mb * 1e6 / us / 1e3
+        print(f"{r['shape']:24} {r['MB']:6.1f} | {r['cublas_eager']:12.2f} {r['gemv_eager']:6.2f} | "
+              f"{r['cublas_graph']:12.2f} {gbs(r['cublas_graph']):5.0f} | {r['gemv_graph']:9.2f} "
+              f"{gbs(r['gemv_graph']):5.0f} | {r['best_graph']:9.2f} {gbs(r['best_graph']):5.0f} "
+              f"{str(r['best']):>26} | {str(r['default']):>20} {r['diff']:7.1e}")
+
+    # One config for all shapes: the smallest geometric mean of (its time / the shape's best time).
+    per_shape = [{cfg: us for us, cfg, _ in res} for res in sweep.values() if res]
+    common = set.intersection(*(set(d) for d in per_shape)) if per_shape else set()
+    score = {cfg: math.exp(statistics.mean(math.log(d[cfg] / min(d.values())) for d in per_shape)) for cfg in common}
+    print("\nbest single configs across all shapes (geometric-mean slowdown against each shape's best):")
+    for cfg, sc in sorted(score.items(), key=lambda kv: kv[1])[:8]:
+        print(f"    {cfg}  x{sc:.3f}   " + "  ".join(f"{d[cfg]:.2f}" for d in per_shape))
+
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        name = f"gemv-cuda{'-quick' if args.quick else ''}-{datetime.date.today()}.json"
+        report = dict(device=props.name, torch=torch.__version__, triton=triton.__version__, rows=rows,
+                      sweep={shape: [dict(us=us, config=cfg, diff=d) for us, cfg, d in res] for shape, res in sweep.items()})
+        (Path(args.out) / name).write_text(json.dumps(report, indent=1))
+        print(f"wrote {Path(args.out) / name}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""`linear_gemv` (the Triton matrix-vector product for one-row decode steps) against an oracle:
+`torch.nn.functional.linear` in float64 on the same inputs.
+
+The kernel cases need CUDA, or Triton's interpreter (`TRITON_INTERPRET=1`, which runs the kernel on CPU
+tensors; small shapes only, it is slow). The argument checks need Triton importable, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+SHAPES = [(1024, 4096), (3072, 1024), (2048, 1024), (1024, 6144), (100, 7), (1024, 151936)]   # (K, N)
+# Relative to the output's largest magnitude: float32 sums of a few thousand products stay near 1e-6;
+# a bf16 output is rounded to 8 significant bits (2**-8 ~ 4e-3 of each value).
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# (block_n, block_k, split_k, num_warps) besides the default: tails in N and K, split-K with uneven shares.
+CONFIGS = [(1, 64, 1, 1), (4, 32, 2, 2), (16, 16, 4, 1), (2, 128, 8, 4)]
+
+
+def check_linear_gemv(k, n, with_bias, x_lead, dtype, device, config=None, seed=0):
+    """Fresh random inputs; linear_gemv's output must match the float64 oracle in shape, dtype and values."""
+    from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*x_lead, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+    out = linear_gemv(x, w, b, config=GemvConfig(*config) if config else None)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert out.shape == ref.shape and out.dtype == dtype and out.device == x.device
+    scale = ref.abs().max().item()
+    err = (out.double() - ref).abs().max().item()        # NaN (an unwritten output) fails the comparison
+    assert err <= TOL[dtype] * scale, f"max |out - ref| = {err:.3g}, {err / scale:.3g} of the output scale"
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("x_lead", [(1,), (1, 1)], ids=["x2d", "x3d"])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k,n", SHAPES, ids=[f"K{k}-N{n}" for k, n in SHAPES])
+def test_gemv_matches_linear_cuda(k, n, with_bias, x_lead, dtype):
+    check_linear_gemv(k, n, with_bias, x_lead, dtype, "cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", CONFIGS, ids=str)
+@pytest.mark.parametrize("k,n", [(100, 7), (3072, 1024), (1000, 333)])
+def test_gemv_configs_cuda(k, n, config, dtype):
+    check_linear_gemv(k, n, True, (1,), dtype, "cuda", config)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("config", [None, (2, 128, 4, 4)], ids=["default", "splitk"])
+def test_gemv_in_cuda_graph(config):
+    """Captured once, replayed on new x: no host syncs or data-dependent allocations in the call."""
+    from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
+
+    cfg = GemvConfig(*config) if config else None
+    w = torch.randn(1024, 3072, device="cuda", dtype=torch.bfloat16) / 3072 ** 0.5
+    b = torch.randn(1024, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, 3072, device="cuda", dtype=torch.bfloat16)
+    linear_gemv(x, w, b, config=cfg)                      # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_gemv(x, w, b, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = F.linear(x.double(), w.double(), b.double())
+        assert (out.double() - ref).abs().max().item() <= TOL[torch.bfloat16] * ref.abs().max().item()
+
+
+@pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [None] + CONFIGS, ids=str)
+@pytest.mark.parametrize("k,n", [(100, 7), (256, 64), (1000, 33)])
+def test_gemv_matches_linear_interpreter(k, n, config, dtype):
+    pytest.importorskip("triton")
+    check_linear_gemv(k, n, True, (1, 1), dtype, "cpu", config)
+
+
+def test_gemv_argument_errors():
+    """Each bad argument is named; the checks run before any kernel, so CPU tensors do."""
+    pytest.importorskip("triton")
+    from minirt.kernels.gemv_triton import linear_gemv
+
+    w = torch.randn(8, 16)
+    with pytest.raises(ValueError, match=r"^x: must have exactly one row"):
+        linear_gemv(torch.randn(2, 16), w)
+    with pytest.raises(ValueError, match=r"^x: must have exactly one row"):
+        linear_gemv(torch.randn(1, 2, 16), w)
+    with pytest.raises(ValueError, match=r"^weight: must be \[N, 12\]"):
+        linear_gemv(torch.randn(1, 12), w)
+    with pytest.raises(ValueError, match=r"^weight: must be contiguous"):
+        linear_gemv(torch.randn(1, 8), torch.randn(8, 16).t())
+    with pytest.raises(ValueError, match=r"^bias: must be \[8\]"):
+        linear_gemv(torch.randn(1, 16), w, torch.randn(7))
+    with pytest.raises(ValueError, match=r"^weight: must be torch.float32"):
+        linear_gemv(torch.randn(1, 16), w.to(torch.bfloat16))
