@@ -413,7 +413,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--merge-projections", choices=["auto", "on", "off"], default="auto",
                    help="minirt's merged q/k/v and gate/up GEMMs (auto: on CUDA only)")
     p.add_argument("--gemv", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's Triton matrix-vector kernel for one-row GEMMs (auto: where it can run)")
+                   help="minirt's Triton matrix-vector kernel for one-row GEMMs (auto: with CUDA graphs)")
     return p
 
 

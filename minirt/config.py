@@ -29,8 +29,8 @@ class EngineConfig:
     merge_projections: one GEMM for q/k/v and one for gate/up (see `minirt.model.layers.merge_linears`);
     None = on CUDA devices only.
     gemv: one-row matrix products (every GEMM of a batch-1 decode step, and its LM head) through the Triton
-    matrix-vector kernel instead of cuBLAS (see `minirt.kernels.gemv_triton`); None = where it can run
-    (CUDA with Triton).
+    matrix-vector kernel instead of cuBLAS (see `minirt.kernels.gemv_triton`); None = with CUDA graphs, which
+    hide its launch cost (a Triton launch from Python costs more CPU time than a cuBLAS one).
     """
 
     block_size: int = 16

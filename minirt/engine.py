@@ -128,8 +128,8 @@ class Engine:
         missing = triton_missing(self.device)
         if gemv and missing:
             raise ValueError(f"gemv: the Triton matrix-vector kernel needs {' and '.join(missing)}")
-        use_gemv = not missing if gemv is None else gemv
         use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
+        use_gemv = use_graphs and not missing if gemv is None else gemv     # None: where graphs hide its launch cost
         # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
         kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
         on_cuda = self.device.type == "cuda"                 # None: the switch is on where it pays, on CUDA

@@ -92,6 +92,7 @@ def test_cuda_graphs_equal_transformers(tiny_model_path, fused_ops):
                      num_kv_blocks=2048, fused_ops=fused_ops)
     graphs = llm.engine.model_runner.decode_graphs
     assert graphs is not None and sorted(graphs.graphs) == capture_sizes(24)
+    assert llm.engine.model.lm_head.gemv is not None            # gemv=None: on with graphs
     used = spy_on(graphs)
     rng = random.Random(9)
     prompts = random_prompts(11, [rng.randint(1, 40) for _ in range(30)])
@@ -103,3 +104,4 @@ def test_cuda_graphs_equal_transformers(tiny_model_path, fused_ops):
     eager = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=24,
                        num_kv_blocks=2048, enforce_eager=True)
     assert eager.engine.model_runner.decode_graphs is None
+    assert eager.engine.model.lm_head.gemv is None              # and off without them

@@ -154,3 +154,23 @@ def test_one_token_forward_with_gemv_equals_transformers(tiny_model_path):
     calls.clear()
     _minirt_logits(model, ids)
     assert not calls
+
+
+def test_linear_sends_only_one_row_inputs_to_gemv(tiny_model_path):
+    """The `gemv` hook of `minirt.model.layers.Linear`, with `F.linear` standing in for the Triton kernel:
+    a one-token forward calls it for every projection and the LM head (also after merging, which keeps the
+    hook), a longer one never does, and the logits do not change."""
+    import torch.nn.functional as F
+
+    model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
+    one, two = torch.tensor(random_prompts(5, [1])), torch.tensor(random_prompts(5, [2]))
+    plain = _minirt_logits(model, one)
+    calls = []
+    model.set_gemv(lambda x, w, b: calls.append(x.shape) or F.linear(x, w, b))
+    model.merge_projections()                                      # after set_gemv: the merged layers keep it
+    assert torch.allclose(_minirt_logits(model, one), plain, atol=1e-5)
+    assert len(calls) == 4 * model.config.num_hidden_layers + 1    # qkv, o, gate_up, down per layer; LM head
+    assert all(shape[:-1].numel() == 1 for shape in calls)
+    calls.clear()
+    _minirt_logits(model, two)
+    assert not calls

@@ -148,6 +148,7 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same checkpoint names) whose one-row inputs can go to a matrix-vector
     kernel instead of cuBLAS: `gemv` is None (always `F.linear`) or a function with `F.linear`'s contract
     for one row, such as `minirt.kernels.gemv_triton.linear_gemv` (chapter 07, `EngineConfig.gemv`).
+    `merge_linears` keeps the setting of the first layer it merges.
     """
 
     gemv = None
@@ -169,6 +170,7 @@ def merge_linears(*linears: nn.Linear) -> Linear:
     has_bias = first.bias is not None
     merged = Linear(first.in_features, sum(m.out_features for m in linears), bias=has_bias,
                     device=first.weight.device, dtype=first.weight.dtype)
+    merged.gemv = getattr(first, "gemv", None)
     with torch.no_grad():
         merged.weight.copy_(torch.cat([m.weight for m in linears]))
         if has_bias:
