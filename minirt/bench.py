@@ -38,7 +38,7 @@ import time
 import torch
 
 from minirt.config import EngineConfig
-from minirt.kernels import triton_missing
+from minirt.kernels import refuse_missing_triton
 
 # Qwen3-0.6B's configuration (Qwen/Qwen3-0.6B config.json), built with random weights: no download needed.
 QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -452,9 +452,10 @@ def run(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    missing = triton_missing(device) if engine_kwargs.get("attention_backend") == "triton" else []
-    if missing:            # checked before the model is built (the head_dim check waits for the engine)
-        print(f"error: attention_backend: 'triton' needs {' and '.join(missing)}", file=sys.stderr)
+    try:                   # checked before the model is built (the head_dim check waits for the engine)
+        refuse_missing_triton(device, engine_kwargs.get("attention_backend", "auto"), engine_kwargs.get("gemv"))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     report = bench(device, workloads, args.quick, args.model, baselines, args.seed, engine_kwargs)
     print(format_report(report))

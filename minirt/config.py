@@ -61,10 +61,11 @@ class EngineConfig:
         for name in ("enable_prefix_caching", "split_kv", "enforce_eager"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
-        for name in ("fused_ops", "merge_projections", "gemv"):
+        for name, auto in (("fused_ops", "on CUDA only"), ("merge_projections", "on CUDA only"),
+                           ("gemv", "with CUDA graphs")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{name}: must be a bool or None (None = on CUDA only), got {value!r}")
+                raise ValueError(f"{name}: must be a bool or None (None = {auto}), got {value!r}")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -33,12 +33,12 @@ import torch
 from minirt.attention import paged_attention_reference
 from minirt.config import EngineConfig, cdiv
 from minirt.cuda_graphs import DecodeGraphs
-from minirt.kernels import select_paged_attention, triton_missing
+from minirt.kernels import refuse_missing_triton, select_paged_attention
 from minirt.kv.block_pool import BlockPool
 from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
 from minirt.model.layers import head_dim_of
-from minirt.model.loader import load_model
+from minirt.model.loader import load_model, resolve_device
 from minirt.model_runner import ModelRunner
 from minirt.request import Request, RequestOutput, StreamDelta
 from minirt.sampling import SamplingParams
@@ -110,6 +110,8 @@ class Engine:
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                    max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
                                    split_kv, enforce_eager, fused_ops, merge_projections, gemv)
+        device = resolve_device(device)
+        refuse_missing_triton(device, attention_backend, gemv)     # before the checkpoint takes any memory
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config
@@ -125,11 +127,8 @@ class Engine:
             self.config.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         kernel, store = select_paged_attention(attention_backend, self.device, head_dim_of(mc), split_kv)
-        missing = triton_missing(self.device)
-        if gemv and missing:
-            raise ValueError(f"gemv: the Triton matrix-vector kernel needs {' and '.join(missing)}")
         use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
-        use_gemv = use_graphs and not missing if gemv is None else gemv     # None: where graphs hide its launch cost
+        use_gemv = use_graphs if gemv is None else gemv         # None: where graphs hide its launch cost
         # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
         kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
         on_cuda = self.device.type == "cuda"                 # None: the switch is on where it pays, on CUDA

@@ -23,6 +23,16 @@ def triton_missing(device: torch.device, head_dim: int | None = None) -> list[st
     return [need for need, ok in needs if not ok]
 
 
+def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bool | None) -> None:
+    """Raise ValueError naming the field if a Triton switch is asked for explicitly (`attention_backend="triton"`,
+    `gemv=True`) and cannot run on `device`. Before any model is loaded; the head_dim check waits for its config."""
+    missing = triton_missing(device)
+    if missing and attention_backend == "triton":
+        raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
+    if missing and gemv:
+        raise ValueError(f"gemv: the Triton matrix-vector kernel needs {' and '.join(missing)}")
+
+
 def select_paged_attention(backend: str, device: torch.device, head_dim: int, split_kv: bool = True):
     """The paged-attention kernel and K/V write for an engine, as `(attention_kernel, store)`: "torch"
     (`paged_attention_reference`, `store_kv`), "triton" (`paged_attention_triton`, `store_kv_triton`; needs

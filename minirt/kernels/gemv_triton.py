@@ -115,8 +115,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if not weight.is_contiguous():
         raise ValueError(f"weight: must be contiguous, got strides {tuple(weight.stride())}")
     n, k = weight.shape
-    if bias is not None and tuple(bias.shape) != (n,):
-        raise ValueError(f"bias: must be [{n}], got shape {tuple(bias.shape)}")
+    if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
+        raise ValueError(f"bias: must be a contiguous [{n}], got shape {tuple(bias.shape)}, strides {tuple(bias.stride())}")
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name}: must be {x.dtype} on {x.device} like x, got {t.dtype} on {t.device}")

@@ -180,11 +180,25 @@ def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     `Hkv * D` keys and values into its slot (vLLM's `reshape_and_cache_flash`). Two indexed assignments in
     torch are two launches, each slower than this one.
 
-    k_cache/v_cache `[num_blocks, block_size, Hkv, D]` (contiguous); k/v `[num_tokens, Hkv, D]`, each token's
-    `Hkv * D` values contiguous (rows may be strided, as slices of a merged q/k/v projection are).
+    k_cache/v_cache `[num_blocks, block_size, Hkv, D]` (contiguous, same shape); k/v `[num_tokens, Hkv, D]`
+    (same shape), each token's `Hkv * D` values contiguous (rows may be strided, as slices of a merged q/k/v
+    projection are); slot_mapping `[num_tokens]` contiguous. Raises ValueError naming the argument otherwise.
+    Slots are not range-checked (that would need a device sync): each must be in `[0, num_blocks * block_size)`,
+    as the block pool hands them out.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     row = num_kv_heads * head_dim
+    if v.shape != k.shape:
+        raise ValueError(f"v: must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache/v_cache: must be contiguous and of one shape, got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"k_cache: must be [num_blocks, block_size, {num_kv_heads}, {head_dim}] like k, "
+                         f"got {tuple(k_cache.shape)}")
+    if slot_mapping.shape != (num_tokens,) or not slot_mapping.is_contiguous():
+        raise ValueError(f"slot_mapping: must be a contiguous [{num_tokens}] tensor, got shape "
+                         f"{tuple(slot_mapping.shape)}, strides {tuple(slot_mapping.stride())}")
     for x in (k, v):
         if x.stride(2) != 1 or x.stride(1) != head_dim:
             raise ValueError(f"k/v: each token's {num_kv_heads} x {head_dim} values must be contiguous, "

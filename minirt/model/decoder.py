@@ -152,7 +152,7 @@ class DecoderModel(nn.Module):
         residual = None
         for layer in self.model.layers:
             x, residual = layer(x, residual, cos, sin, attn)
-        return self.model.norm(x, residual)[0]
+        return self.model.norm(x) if residual is None else self.model.norm(x, residual)[0]
 
     def set_fused_ops(self, enabled: bool) -> None:
         """Run the norms (with their residual additions), the rotation and SiLU-and-multiply as compiled kernels

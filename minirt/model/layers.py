@@ -154,7 +154,7 @@ class Linear(nn.Linear):
     gemv = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.numel() == x.shape[-1]:       # one row: a batch-1 decode step
+        if self.gemv is not None and x.shape[:-1].numel() == 1:     # one row: a batch-1 decode step
             return self.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
