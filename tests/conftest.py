@@ -7,6 +7,7 @@ hard-coded. Tiny models are random but with a scaled-up init so that logits are 
 from __future__ import annotations
 
 import gc
+import importlib.util
 import os
 import random
 from pathlib import Path
@@ -17,6 +18,15 @@ import torch
 FAMILIES = ("qwen3", "qwen2", "llama")
 VOCAB = 512
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+# Without a GPU, Triton's interpreter runs the Triton kernels on CPU tensors (slowly: the tests keep to small
+# shapes), so their tests still run. It must be set before the kernels are defined, hence here.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+#: The Triton kernels can run here: on CUDA, or in the interpreter on CPU tensors (device "cpu").
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else (
+    "cpu" if os.environ.get("TRITON_INTERPRET") == "1" and importlib.util.find_spec("triton") else None)
 
 # Tiny models: one intra-op thread is as fast as several and robust when the CPU is shared
 # (thread spin-waits under contention slow small ops down tenfold). Override with MINIRT_TEST_THREADS.

@@ -128,7 +128,8 @@ def test_bad_engine_settings(tiny_models, field, value):
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models):
+def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models, monkeypatch):
+    monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
     with pytest.raises(ValueError, match=r"attention_backend: 'triton' needs a CUDA device \(got cpu\)"):
         minirt.Engine(tiny_models["llama"], device="cpu", attention_backend="triton")
     with pytest.raises(ValueError, match=r"gemv: the Triton matrix-vector kernel needs a CUDA device \(got cpu\)"):

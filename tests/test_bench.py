@@ -152,10 +152,11 @@ def test_engine_switches_from_the_command_line():
 
 
 @pytest.mark.parametrize("argv,words", [(["--threads", "0"], "--threads: must be an integer >= 1"),
-                                        (["--attention-backend", "triton"], "attention_backend: 'triton' needs")])
+                                        (["--attention-backend", "triton"], "attention_backend: 'triton' needs"),
+                                        (["--gemv", "on"], "gemv: the Triton matrix-vector kernel needs")])
 def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
-    if "triton" in argv and __import__("torch").cuda.is_available():
-        pytest.skip("triton is a valid backend on a CUDA machine")
+    if ("triton" in argv or "--gemv" in argv) and __import__("torch").cuda.is_available():
+        pytest.skip("a valid setting on a CUDA machine")
     proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", *argv], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"), check=False)
     assert proc.returncode == 2 and words in proc.stderr, (proc.returncode, proc.stderr[-1000:])

@@ -102,7 +102,9 @@ def test_gemv_argument_errors():
         linear_gemv(torch.randn(1, 12), w)
     with pytest.raises(ValueError, match=r"^weight: must be contiguous"):
         linear_gemv(torch.randn(1, 8), torch.randn(8, 16).t())
-    with pytest.raises(ValueError, match=r"^bias: must be \[8\]"):
+    with pytest.raises(ValueError, match=r"^bias: must be a contiguous \[8\]"):
         linear_gemv(torch.randn(1, 16), w, torch.randn(7))
+    with pytest.raises(ValueError, match=r"^bias: must be a contiguous \[8\]"):
+        linear_gemv(torch.randn(1, 16), w, torch.randn(16)[::2])
     with pytest.raises(ValueError, match=r"^weight: must be torch.float32"):
         linear_gemv(torch.randn(1, 16), w.to(torch.bfloat16))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import minirt
-from conftest import VOCAB, hf_logits, random_prompts
+from conftest import TRITON_DEVICE, VOCAB, hf_logits, random_prompts
 
 
 def _minirt_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -135,13 +135,13 @@ def test_unsupported_architecture_raises(tmp_path):
         minirt.load_model(str(tmp_path / "gpt2"), device="cpu")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton GEMV kernel runs on CUDA only")
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton GEMV kernel needs CUDA or Triton's interpreter")
 def test_one_token_forward_with_gemv_equals_transformers(tiny_model_path):
     """Chapter 07's `gemv` switch: a one-token forward sends every projection and the LM head to the Triton
     matrix-vector kernel (counted), and the logits stay those of transformers (float32)."""
     from minirt.kernels.gemv_triton import linear_gemv
 
-    model, _ = minirt.load_model(tiny_model_path, device="cuda", dtype=torch.float32)
+    model, _ = minirt.load_model(tiny_model_path, device=TRITON_DEVICE, dtype=torch.float32)
     calls = []
     model.set_gemv(lambda x, w, b: calls.append(w.shape) or linear_gemv(x, w, b))
     ids = torch.tensor(random_prompts(3, [1]))                      # one token: every matmul has one row
@@ -174,3 +174,30 @@ def test_linear_sends_only_one_row_inputs_to_gemv(tiny_model_path):
     calls.clear()
     _minirt_logits(model, two)
     assert not calls
+
+
+def test_forward_without_layers_keeps_the_batch_dimension():
+    """No layers, so no residual stream: the output is the final norm of the embedding, `[B, T, hidden]`."""
+    from transformers import Qwen3Config
+
+    from minirt.model.decoder import DecoderModel
+
+    config = Qwen3Config(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=0,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=8)
+    model = DecoderModel(config)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        out = model(ids, torch.arange(3)[None])
+        assert out.shape == (1, 3, 16)
+        torch.testing.assert_close(out, model.model.norm(model.model.embed_tokens(ids)))
+
+
+def test_linear_one_row_test_counts_rows_not_elements():
+    """`[5, 0]` has as many elements as one row of width 0, but five rows: it must stay with `F.linear`."""
+    from minirt.model.layers import Linear
+
+    calls = []
+    layer = Linear(0, 4)
+    layer.gemv = lambda x, w, b: calls.append(x.shape) or torch.nn.functional.linear(x, w, b)
+    assert layer(torch.zeros(5, 0)).shape == (5, 4) and not calls
+    assert layer(torch.zeros(1, 1, 0)).shape == (1, 1, 4) and calls == [(1, 1, 0)]

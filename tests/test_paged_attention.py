@@ -9,9 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import TRITON_DEVICE
 from minirt.attention import PagedAttentionMetadata, paged_attention_reference, store_kv
 
 CUDA = torch.cuda.is_available()
+INTERPRETER = TRITON_DEVICE == "cpu"         # the Triton kernels on CPU tensors, through Triton's interpreter
 
 
 def build_case(seed, block_size, num_heads, num_kv_heads, head_dim, dtype, device, num_seqs=6):
@@ -66,6 +68,10 @@ if CUDA:
 
     KERNELS += [pytest.param(paged_attention_reference, "cuda", id="torch-cuda"),
                 pytest.param(paged_attention_triton, "cuda", id="triton-cuda")]
+if INTERPRETER:
+    from minirt.kernels.paged_attention_triton import paged_attention_triton
+
+    KERNELS += [pytest.param(paged_attention_triton, "cpu", id="triton-interpreter")]
 
 
 SHAPES = [(4, 4, 16), (4, 2, 32), (8, 2, 64), (16, 8, 128), (6, 2, 32)]
@@ -73,7 +79,8 @@ SHAPES = [(4, 4, 16), (4, 2, 32), (8, 2, 64), (16, 8, 128), (6, 2, 32)]
 CASES = [pytest.param(kernel, device, bs, *shape, dtype, id=f"{kid}-B{bs}-{shape}-{str(dtype)[6:]}")
          for kernel, device, kid in ((p.values[0], p.values[1], p.id) for p in KERNELS)
          for bs in (1, 4, 16) for shape in SHAPES for dtype in (torch.float32, torch.bfloat16)
-         if not (device == "cpu" and dtype == torch.bfloat16 and shape[2] > 32)]
+         if not (device == "cpu" and dtype == torch.bfloat16 and shape[2] > 32)
+         if not (kid == "triton-interpreter" and dtype != torch.float32)]     # bf16: the CUDA runs check it
 
 
 @pytest.mark.parametrize("kernel,device,block_size,num_heads,num_kv_heads,head_dim,dtype", CASES)
@@ -86,7 +93,7 @@ def test_paged_attention_matches_sdpa(kernel, device, block_size, num_heads, num
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-@pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
 @pytest.mark.parametrize("num_splits", [None, 1, 2, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -94,9 +101,12 @@ def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
     """Split-KV (several programs share a sequence's keys, a second kernel combines them) against the oracle."""
     from minirt.kernels.paged_attention_triton import choose_num_splits, paged_attention_triton
 
+    if INTERPRETER and dtype != torch.float32:
+        pytest.skip("bfloat16 is checked on CUDA")
+    device = TRITON_DEVICE
     seed = 31 + (num_splits or 0)
     while True:                          # three sequences: the "mixed" case needs at least one prefill chunk
-        q, k_cache, v_cache, meta, ks, vs, qs = build_case(seed, 16, 16, 8, 128, dtype, "cuda", num_seqs=3)
+        q, k_cache, v_cache, meta, ks, vs, qs = build_case(seed, 16, 16, 8, 128, dtype, device, num_seqs=3)
         if decode_only or meta.max_query_len > 1:
             break
         seed += 100
@@ -104,9 +114,10 @@ def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
         qs = [x[-1:] for x in qs]
         n = len(qs)
         q = torch.cat(qs)
-        meta.query_start_loc, meta.max_query_len = torch.arange(n + 1, device="cuda"), 1
+        meta.query_start_loc, meta.max_query_len = torch.arange(n + 1, device=device), 1
         meta.slot_mapping = meta.slot_mapping[:n]
-        assert choose_num_splits(meta, 8, q.device) > 1       # 3 x 8 programs leave most SMs idle
+        if CUDA:
+            assert choose_num_splits(meta, 8, q.device) > 1   # 3 x 8 programs leave most SMs idle
     else:
         assert choose_num_splits(meta, 8, q.device) == 1      # prefill chunks: never split by default
     got = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=num_splits).float()
@@ -116,9 +127,10 @@ def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
 def test_engine_selects_triton_on_cuda_and_stays_equal(tiny_models):
-    """The whole engine with the Triton kernel equals the torch reference token for token (float32)."""
+    """The whole engine with the Triton kernels equals the torch reference token for token (float32)."""
     import minirt
     from conftest import random_prompts
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, store_kv_triton
 
     prompts = random_prompts(11, [1, 7, 16, 17, 40, 63])
     params = minirt.SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -127,6 +139,9 @@ def test_engine_selects_triton_on_cuda_and_stays_equal(tiny_models):
         llm = minirt.LLM(tiny_models["qwen3"], device="cuda", dtype="float32", block_size=4,
                          max_prefill_chunk=5, max_num_batched_tokens=24, attention_backend=backend)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
+        runner = llm.engine.model_runner
+        assert (runner.attention_kernel is paged_attention_triton) == (backend == "triton")
+        assert runner.store is (store_kv_triton if backend == "triton" else store_kv)
     assert outs["torch"] == outs["triton"]
 
 
@@ -161,6 +176,10 @@ if CUDA:
     from minirt.kernels.paged_attention_triton import store_kv_triton
 
     STORES += [pytest.param(store_kv, "cuda", id="torch-cuda"), pytest.param(store_kv_triton, "cuda", id="triton-cuda")]
+if INTERPRETER:
+    from minirt.kernels.paged_attention_triton import store_kv_triton
+
+    STORES += [pytest.param(store_kv_triton, "cpu", id="triton-interpreter")]
 
 
 @pytest.mark.parametrize("store,device", STORES)
@@ -182,3 +201,30 @@ def test_store_kv_writes_each_token_to_its_slot_only(store, device, num_kv_heads
     store(k_cache, v_cache, k, v, slots)
     assert torch.equal(k_cache.view(-1, num_kv_heads, head_dim), want_k)
     assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), want_v)
+
+
+def test_backend_selection_on_the_cpu_is_the_torch_reference():
+    """Without CUDA, "auto" and "torch" give the reference kernel and the torch K/V write; "triton" is refused."""
+    from minirt.kernels import select_paged_attention
+
+    cpu = torch.device("cpu")
+    for backend in ("auto", "torch"):
+        assert select_paged_attention(backend, cpu, 64) == (paged_attention_reference, store_kv)
+    with pytest.raises(ValueError, match="attention_backend: 'triton' needs a CUDA device"):
+        select_paged_attention("triton", cpu, 64)
+
+
+def test_store_kv_triton_refuses_what_it_cannot_write():
+    """Each argument it cannot handle is named; the checks run before any kernel, so CPU tensors do."""
+    pytest.importorskip("triton")
+    from minirt.kernels.paged_attention_triton import store_kv_triton
+
+    cache, k, slots = torch.zeros(3, 4, 2, 8), torch.randn(5, 2, 8), torch.arange(5)
+    with pytest.raises(ValueError, match=r"^v: must have k's shape"):
+        store_kv_triton(cache, cache.clone(), k, torch.randn(4, 2, 8), slots)
+    with pytest.raises(ValueError, match=r"^k_cache/v_cache: must be contiguous"):
+        store_kv_triton(cache, torch.zeros(3, 2, 4, 8).transpose(1, 2), k, k.clone(), slots)
+    with pytest.raises(ValueError, match=r"^k_cache: must be \[num_blocks, block_size, 2, 8\]"):
+        store_kv_triton(torch.zeros(3, 4, 1, 16), torch.zeros(3, 4, 1, 16), k, k.clone(), slots)
+    with pytest.raises(ValueError, match=r"^slot_mapping: must be a contiguous \[5\]"):
+        store_kv_triton(cache, cache.clone(), k, k.clone(), torch.arange(10)[::2])
