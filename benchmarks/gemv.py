@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import math
 import statistics
 import sys
@@ -27,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from minirt.bench import copy_bandwidth, environment, write_report  # noqa: E402
+
 G = None        # minirt.kernels.gemv_triton, imported in main() once CUDA (and so Triton) is known to be there
 
 SHAPES = [(1024, 4096), (1024, 6144), (2048, 1024), (3072, 1024), (1024, 151936)]   # (K, N)
@@ -111,17 +112,9 @@ def main():
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 
-    big = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")   # HBM ceiling: a 1 GiB copy (read + write)
-    dst = torch.empty_like(big)
-    dst.copy_(big)
-    s, e = ev(), ev()
-    s.record()
-    for _ in range(5):
-        dst.copy_(big)
-    e.record()
-    e.synchronize()
-    print(f"device copy: {2 * 5 * big.numel() / (s.elapsed_time(e) * 1e-3) / 1e9:.0f} GB/s (read + write)")
-    del big, dst
+    device = torch.device("cuda")
+    bandwidth = copy_bandwidth(device, 1 << 30)                # the bench's HBM yardstick: a 1 GiB copy
+    print(f"device copy: {bandwidth['bytes_per_s'] / 1e9:.0f} GB/s (read + write)")
 
     cands = candidates(args.quick)
     torch.manual_seed(0)
@@ -182,13 +175,10 @@ def main():
     for cfg, sc in sorted(score.items(), key=lambda kv: kv[1])[:8]:
         print(f"    {cfg}  x{sc:.3f}   " + "  ".join(f"{d[cfg]:.2f}" for d in per_shape))
 
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        name = f"gemv-cuda{'-quick' if args.quick else ''}-{datetime.date.today()}.json"
-        report = dict(device=props.name, torch=torch.__version__, triton=triton.__version__, rows=rows,
-                      sweep={shape: [dict(us=us, config=cfg, diff=d) for us, cfg, d in res] for shape, res in sweep.items()})
-        (Path(args.out) / name).write_text(json.dumps(report, indent=1))
-        print(f"wrote {Path(args.out) / name}")
+    dev, versions = environment(device)
+    report = dict(device=dev, versions=versions, bandwidth=bandwidth, rows=rows,
+                  sweep={shape: [dict(us=us, config=cfg, diff=d) for us, cfg, d in res] for shape, res in sweep.items()})
+    write_report(report, args.out, f"gemv-cuda{'-quick' if args.quick else ''}-{datetime.date.today()}")
 
 
 if __name__ == "__main__":

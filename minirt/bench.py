@@ -447,12 +447,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
     engine_kwargs = engine_kwargs_of(args)
-    try:
-        EngineConfig(**engine_kwargs)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     try:                   # checked before the model is built (the head_dim check waits for the engine)
+        EngineConfig(**engine_kwargs)
         refuse_missing_triton(device, engine_kwargs.get("attention_backend", "auto"), engine_kwargs.get("gemv"))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

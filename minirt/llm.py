@@ -77,8 +77,8 @@ class LLM:
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_prefill_chunk=max_prefill_chunk, max_model_len=max_model_len,
                              enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                             split_kv=split_kv, enforce_eager=enforce_eager, fused_ops=fused_ops, merge_projections=merge_projections,
-                             gemv=gemv)
+                             split_kv=split_kv, enforce_eager=enforce_eager, fused_ops=fused_ops,
+                             merge_projections=merge_projections, gemv=gemv)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None

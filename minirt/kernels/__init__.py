@@ -23,12 +23,24 @@ def triton_missing(device: torch.device, head_dim: int | None = None) -> list[st
     return [need for need, ok in needs if not ok]
 
 
-def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bool | None) -> None:
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (what the kernels size their grids by); 1 elsewhere (Triton's
+    interpreter on the CPU, where any grid will do)."""
+    if device.type != "cuda":
+        return 1
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bool | None,
+                          head_dim: int | None = None) -> None:
     """Raise ValueError naming the field if a Triton switch is asked for explicitly (`attention_backend="triton"`,
-    `gemv=True`) and cannot run on `device`. Before any model is loaded; the head_dim check waits for its config."""
-    missing = triton_missing(device)
+    `gemv=True`) and cannot run on `device`. Callable before any model is loaded: head_dim None skips its check."""
+    missing = triton_missing(device, head_dim)
     if missing and attention_backend == "triton":
         raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
+    missing = triton_missing(device)
     if missing and gemv:
         raise ValueError(f"gemv: the Triton matrix-vector kernel needs {' and '.join(missing)}")
 
@@ -41,10 +53,8 @@ def select_paged_attention(backend: str, device: torch.device, head_dim: int, sp
     Raises ValueError for an unknown name or a "triton" request that cannot run here."""
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    missing = triton_missing(device, head_dim)
-    if backend == "triton" and missing:
-        raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
-    if backend == "torch" or missing:
+    refuse_missing_triton(device, backend, None, head_dim)
+    if backend == "torch" or triton_missing(device, head_dim):
         return paged_attention_reference, store_kv
     from minirt.kernels.paged_attention_triton import paged_attention_triton, store_kv_triton
 

@@ -20,13 +20,14 @@ sizes from the constants below.
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
+
+from minirt.kernels import num_sms
 
 # Defaults read by `choose_config` (powers of two), chosen from a sweep of 6 tilings on an H200 inside CUDA graphs
 # (bf16, the Qwen3-0.6B shapes): 8 x 512 tiles were fastest for the wide matrices (q/k/v, gate/up, the LM head),
@@ -82,18 +83,11 @@ def _sum_splits_kernel(Part, Bias, Out, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.c
     tl.store(Out + rows, y.to(Out.dtype.element_ty), mask=ok)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1                                           # the interpreter: any grid will do
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def choose_config(n: int, k: int, num_sms: int) -> GemvConfig:
+def choose_config(n: int, k: int, sm_count: int) -> GemvConfig:
     """Block sizes for W `[n, k]`: ROWS x COLS tiles if that still gives PROGRAMS_PER_SM programs per SM; else
     one row per program, up to MAX_BLOCK_K of it per loop step, and split-K while there are still too few
     programs. Depends only on the shapes, so a CUDA graph captured once keeps it."""
-    target = PROGRAMS_PER_SM * num_sms
+    target = PROGRAMS_PER_SM * sm_count
     if triton.cdiv(n, ROWS) >= target:
         return GemvConfig(ROWS, min(COLS, max(16, triton.next_power_of_2(k))))
     block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(k)))
@@ -124,7 +118,7 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    cfg = config or choose_config(n, k, _num_sms(x.device))
+    cfg = config or choose_config(n, k, num_sms(x.device))
     xv = x.reshape(k)                                      # a view: one row has a single stride along K
     has_bias = bias is not None
     part = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1 else out

@@ -16,13 +16,12 @@ Same contract as `minirt.attention.paged_attention_reference`, which the tests c
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from minirt.attention import PagedAttentionMetadata
+from minirt.kernels import num_sms
 
 
 @triton.jit
@@ -109,11 +108,6 @@ def _combine_splits_kernel(Out, PartAcc, PartM, PartL, stride_ot, stride_oh,
     tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
     """How many programs share each decode's keys: 1 unless the batch is all decodes and has fewer
     (sequence, KV head) programs than twice the GPU's SMs; then a power of two up to 16 that fills them.
@@ -121,7 +115,7 @@ def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: t
     programs = meta.context_lens.shape[0] * num_kv_heads
     if meta.max_query_len != 1 or device.type != "cuda":
         return 1
-    target = 2 * _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    target = 2 * num_sms(device)
     return min(16, triton.next_power_of_2(max(1, -(-target // programs))))
 
 
