@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 # cuDNN's SDPA builds a new execution plan for every new shape (~1 ms of CPU per call), and paged
 # batches change shape every step; the other backends do not.
-_CUDA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+CUDA_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tensor | None = None,
@@ -40,7 +40,7 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, mask: torch.Tenso
     args = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
     kwargs = dict(attn_mask=mask, is_causal=is_causal, enable_gqa=q.shape[2] != k.shape[2])
     if q.is_cuda:
-        with sdpa_kernel(_CUDA_BACKENDS):
+        with sdpa_kernel(CUDA_SDPA_BACKENDS):
             return F.scaled_dot_product_attention(*args, **kwargs).transpose(1, 2)
     return F.scaled_dot_product_attention(*args, **kwargs).transpose(1, 2)
 

@@ -24,6 +24,7 @@ The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib.metadata
@@ -36,7 +37,9 @@ import tempfile
 import time
 
 import torch
+from torch.nn.attention import sdpa_kernel
 
+from minirt.attention import CUDA_SDPA_BACKENDS
 from minirt.config import EngineConfig
 from minirt.kernels import refuse_missing_triton
 
@@ -157,8 +160,12 @@ def _hf_static_batches(model, prompts, n, device, max_batch):
         for row, p in enumerate(batch):
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
-        out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
+        # minirt's CUDA SDPA backends: under memory pressure (after an out-of-memory retry) cuDNN's attention
+        # failed with an opaque RuntimeError ("mha_graph.execute") on the H200 instead of running out of memory.
+        backends = sdpa_kernel(CUDA_SDPA_BACKENDS) if device.type == "cuda" else contextlib.nullcontext()
+        with backends:
+            out = model.generate(ids.to(device), attention_mask=mask.to(device), max_new_tokens=new_tokens,
+                                 do_sample=False, eos_token_id=None, pad_token_id=0)
         return out[:, width:].tolist()
 
     batches = [prompts[i:i + max_batch] for i in range(0, len(prompts), max_batch)]
