@@ -37,7 +37,7 @@ from minirt.metrics import format_table
 
 #: (label, minirt.LLM settings): each step adds one optimization to the one before.
 _OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False,
-            gemv=False)
+            gemv=False, num_scheduler_steps=1)
 STEPS = [
     ("eager, torch attention", _OFF),
     ("+ Triton paged attention", {**_OFF, "attention_backend": "triton"}),
@@ -47,9 +47,11 @@ STEPS = [
     ("+ merged projections", {**_OFF, "attention_backend": "triton", "enforce_eager": False, "fused_ops": True,
                               "merge_projections": True}),
     ("+ split-KV decode attention", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
-                                         fused_ops=True, merge_projections=True, gemv=False)),
+                                         fused_ops=True, merge_projections=True, gemv=False, num_scheduler_steps=1)),
     ("+ Triton GEMV (batch 1)", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
-                                     fused_ops=True, merge_projections=True, gemv=True)),
+                                     fused_ops=True, merge_projections=True, gemv=True, num_scheduler_steps=1)),
+    ("+ multi-step decode (8 steps)", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
+                                           fused_ops=True, merge_projections=True, gemv=True, num_scheduler_steps=8)),
 ]
 
 

@@ -317,7 +317,8 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             "cuda_graphs": engine.model_runner.decode_graphs is not None,
             "fused_ops": engine.model.model.norm.fuse,
             "merged_projections": engine.model.model.layers[0].self_attn.qkv_proj is not None,
-            "gemv": engine.model.lm_head.gemv is not None, "num_kv_blocks": engine.config.num_kv_blocks,
+            "gemv": engine.model.lm_head.gemv is not None, "num_scheduler_steps": engine.num_scheduler_steps,
+            "num_kv_blocks": engine.config.num_kv_blocks,
             "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size
         report["model"]["weight_bytes"] = weight_bytes = sum(p.numel() * p.element_size()
@@ -421,6 +422,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="minirt's merged q/k/v and gate/up GEMMs (auto: on CUDA only)")
     p.add_argument("--gemv", choices=["auto", "on", "off"], default="auto",
                    help="minirt's Triton matrix-vector kernel for one-row GEMMs (auto: with CUDA graphs)")
+    p.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
+                   help="minirt's decode steps per schedule when all requests decode (default: 8 with CUDA graphs, else 1)")
     return p
 
 
@@ -436,6 +439,8 @@ def engine_kwargs_of(args) -> dict:
     for name in ("fused_ops", "merge_projections", "gemv"):
         if getattr(args, name) != "auto":
             kwargs[name] = getattr(args, name) == "on"
+    if args.num_scheduler_steps is not None:
+        kwargs["num_scheduler_steps"] = args.num_scheduler_steps
     return kwargs
 
 

@@ -31,6 +31,10 @@ class EngineConfig:
     gemv: one-row matrix products (every GEMM of a batch-1 decode step, and its LM head) through the Triton
     matrix-vector kernel instead of cuBLAS (see `minirt.kernels.gemv_triton`); None = with CUDA graphs, which
     hide its launch cost (a Triton launch from Python costs more CPU time than a cuBLAS one).
+    num_scheduler_steps: decode steps run back to back per schedule when every admitted request is decoding
+    and none waits, each step's sampled tokens fed to the next on the device, with one host sync at the end
+    (multi-step scheduling, vLLM 0.6's `--num-scheduler-steps`; see `minirt.model_runner.ModelRunner.execute_decode_steps`).
+    None = 8 with CUDA graphs, where the host's per-step work is a large share of a step, else 1 (off).
     """
 
     block_size: int = 16
@@ -46,13 +50,14 @@ class EngineConfig:
     fused_ops: bool | None = None
     merge_projections: bool | None = None
     gemv: bool | None = None
+    num_scheduler_steps: int | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        for name in ("num_kv_blocks", "max_model_len"):
+        for name in ("num_kv_blocks", "max_model_len", "num_scheduler_steps"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}: must be an integer >= 1 or None, got {value!r}")

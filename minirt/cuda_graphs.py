@@ -124,7 +124,19 @@ class DecodeGraphs:
         if self.copies_done is not None:
             self.copies_done.record()
             self.copies_pending = True
+        return self.replay(num_seqs)
+
+    def replay(self, num_seqs: int) -> torch.Tensor:
+        """Run the forward of `num_seqs` rows on the static buffers as they stand (`run` fills them from the
+        host; `minirt.model_runner.advance_decode_inputs` moves them on by one step on the device).
+        Returns the hidden states `[num_seqs, hidden_size]`, a view that the next replay overwrites."""
+        size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
         if not self.graphs:                                        # capture=False
             return self._forward(size)[:num_seqs]
         self.graphs[size].replay()
         return self.outputs[size][:num_seqs]
+
+    def inputs(self, num_seqs: int) -> tuple[torch.Tensor, ...]:
+        """The first `num_seqs` rows of the static inputs, as views: `(input_ids, positions, slot_mapping,
+        context_lens)` `[num_seqs]` each and `block_tables` `[num_seqs, max_blocks_per_seq]`."""
+        return (*self.vectors[:, :num_seqs], self.tables[:num_seqs])

@@ -106,10 +106,11 @@ class Engine:
                  max_num_batched_tokens: int = 8192, max_prefill_chunk: int = 1024,
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", split_kv: bool = True, enforce_eager: bool = False,
-                 fused_ops: bool | None = None, merge_projections: bool | None = None, gemv: bool | None = None):
+                 fused_ops: bool | None = None, merge_projections: bool | None = None, gemv: bool | None = None,
+                 num_scheduler_steps: int | None = None):
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                    max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
-                                   split_kv, enforce_eager, fused_ops, merge_projections, gemv)
+                                   split_kv, enforce_eager, fused_ops, merge_projections, gemv, num_scheduler_steps)
         device = resolve_device(device)
         refuse_missing_triton(device, attention_backend, gemv)     # before the checkpoint takes any memory
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
@@ -144,6 +145,8 @@ class Engine:
             graphs = DecodeGraphs(self.model, kv_cache, kernel, max_num_seqs, cdiv(max_model_len, block_size),
                                   scratch_block=num_kv_blocks, store=store)
         self.model_runner = ModelRunner(self.model, kv_cache, block_size, kernel, graphs, store)
+        #: Decode steps per schedule when all admitted requests decode (`EngineConfig.num_scheduler_steps`).
+        self.num_scheduler_steps = (8 if use_graphs else 1) if num_scheduler_steps is None else num_scheduler_steps
         self.pool = BlockPool(num_kv_blocks)
         self.prefix_cache = PrefixCache(self.pool, block_size, enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.pool, self.prefix_cache)
@@ -347,7 +350,12 @@ class Engine:
             self._fail_all(e)                # resolve everyone; the loop ends, submissions are refused
 
     def step(self) -> bool:
-        """One engine step: schedule, run the model, postprocess. Returns False if nothing was scheduled."""
+        """One engine step: schedule, run the model, postprocess. Returns False if nothing was scheduled.
+
+        When every admitted request is decoding, one step may run several decode steps back to back
+        (`num_scheduler_steps`, chapter 07); their tokens are then taken in order, as if from single steps.
+        """
+        num_steps = self.scheduler.decode_steps_ahead(self.num_scheduler_steps)
         batch = self.scheduler.schedule()
         if not batch:
             return False
@@ -355,19 +363,27 @@ class Engine:
         for request, _ in batch.items:
             if request.scheduled_time is None:
                 request.scheduled_time = now
-        sampled_requests, tokens = self.model_runner.execute(batch.items)
-        self.num_steps += 1
+        if num_steps > 1:
+            sampled_requests, token_steps = self.model_runner.execute_decode_steps(batch.items, num_steps)
+        else:
+            sampled_requests, tokens = self.model_runner.execute(batch.items)
+            token_steps = [tokens]
+        self.num_steps += num_steps
         now = time.perf_counter()
-        for request, n in batch.items:
-            self.scheduler.update_after_step(request, n)
-        for request, token in zip(sampled_requests, tokens):
-            request.append_token(token, now)
-            if request.finish_reason is not None:
-                self._finish(request, request.finish_reason)
-            elif request.stream is not None:
-                delta = request.stream_delta()
-                if delta is not None:
-                    request.stream.put_nowait(delta)
+        for tokens in token_steps:
+            for request, n in batch.items:
+                if not request.is_finished:              # a request that stopped part-way drops its later tokens
+                    self.scheduler.update_after_step(request, n)
+            for request, token in zip(sampled_requests, tokens):
+                if request.is_finished:
+                    continue
+                request.append_token(token, now)
+                if request.finish_reason is not None:
+                    self._finish(request, request.finish_reason)
+                elif request.stream is not None:
+                    delta = request.stream_delta()
+                    if delta is not None:
+                        request.stream.put_nowait(delta)
         for callback in self.step_callbacks:
             callback(self, batch)
         return True

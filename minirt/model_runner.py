@@ -74,11 +74,12 @@ class ModelRunner:
                 step.sample_requests.append(request)
         return step
 
-    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+    def to_device(self, step: StepInputs, lookahead: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
         """`(input_ids [1, N], positions [1, N], metadata)` on the device; block tables padded with 0 to the
-        widest context of the step."""
+        widest context of the step, plus `lookahead` tokens (the later steps of `execute_decode_steps`)."""
         max_ctx = max(step.context_lens)
-        width = -(max_ctx // -self.block_size)
+        width = -((max_ctx + lookahead) // -self.block_size)
         block_tables = [t[:width] + [0] * (width - len(t[:width])) for t in step.block_tables]
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         meta = PagedAttentionMetadata(
@@ -98,6 +99,22 @@ class ModelRunner:
         rows = step.sample_rows
         return hidden if len(rows) == len(step.input_ids) else hidden[rows]
 
+    def sample(self, hidden: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """The next token of each row of `hidden` `[num_rows, hidden_size]` (row i belongs to `requests[i]`):
+        `[num_rows]` int64 on the device. An all-greedy batch is seen on the host and takes the argmax with no
+        host sync; others go through `minirt.sampling.sample`."""
+        logits = self.model.compute_logits(hidden)                             # [num_rows, vocab]
+        params = [r.params for r in requests]
+        if all(p.greedy for p in params):
+            return logits.argmax(dim=-1)
+        dev = self.device
+        return sample(
+            logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
+            [r.generator for r in requests])
+
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
         """Run one step. Returns the requests that got a new token, and those tokens (one host sync)."""
@@ -110,15 +127,58 @@ class ModelRunner:
             hidden = hidden[0, step.sample_rows]
         if not requests:
             return [], []
-        logits = self.model.compute_logits(hidden)                             # [num_sampled, vocab]
-        params = [r.params for r in requests]
-        if all(p.greedy for p in params):                  # decided on the host: no device sync to find out
-            return requests, logits.argmax(dim=-1).tolist()
-        dev = self.device
-        next_ids = sample(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            [r.generator for r in requests])
-        return requests, next_ids.tolist()
+        return requests, self.sample(hidden, requests).tolist()
+
+    @torch.inference_mode()
+    def execute_decode_steps(self, items: list[tuple[Request, int]], num_steps: int
+                             ) -> tuple[list[Request], list[list[int]]]:
+        """Run `num_steps` decode steps of the same requests back to back, with one host sync at the end.
+
+        Multi-step scheduling (vLLM 0.6, "--num-scheduler-steps"): the host's work between two steps
+        (postprocess, schedule, build the inputs, launch) leaves the GPU idle once per step; here each step's
+        sampled tokens become the next step's inputs on the device (`advance_decode_inputs`), so the host only
+        launches, and the GPU runs the steps one after another. `items` are decodes (one new token each) whose
+        block tables already hold `num_steps` new tokens (`Scheduler.decode_steps_ahead`). Returns the requests
+        and their tokens, `[num_steps][num_requests]`; a request that stops part-way (EOS, a stop string) gets
+        tokens past its end, which the engine drops.
+        """
+        step = self.prepare_lists(items)
+        requests = step.sample_requests
+        if step.max_query_len != 1 or len(requests) != len(items):
+            raise ValueError("execute_decode_steps: every item must be a decode (one new token, sampled)")
+        graphs, num_seqs = self.decode_graphs, len(items)
+        if graphs is not None and num_seqs <= graphs.sizes[-1]:
+            hidden = graphs.run(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
+            inputs, meta = graphs.inputs(num_seqs), None
+        else:
+            input_ids, positions, meta = self.to_device(step, lookahead=num_steps - 1)
+            attn = PagedAttention(self.kv_cache, meta, self.attention_kernel, self.store)
+            hidden = self.model(input_ids, positions, attn=attn)[0]
+            inputs = (input_ids[0], positions[0], meta.slot_mapping, meta.context_lens, meta.block_tables)
+        tokens = [self.sample(hidden, requests)]
+        for _ in range(num_steps - 1):
+            advance_decode_inputs(tokens[-1], *inputs, self.block_size)
+            if meta is None:
+                hidden = graphs.replay(num_seqs)
+            else:
+                meta.max_context_len += 1
+                hidden = self.model(input_ids, positions, attn=attn)[0]
+            tokens.append(self.sample(hidden, requests))
+        return requests, torch.stack(tokens).tolist()
+
+
+def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
+                          slot_mapping: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
+                          block_size: int) -> None:
+    """Turn one decode step's device inputs into the next step's, in place, with no host work.
+
+    next_ids, input_ids, positions, slot_mapping, context_lens `[num_seqs]` int64; block_tables
+    `[num_seqs, max_blocks]`, which must already hold the blocks of the next positions. The sampled tokens
+    become the inputs, positions and context lengths move on by one, and each slot is looked up in the block
+    table on the device: `block_tables[s, p // block_size] * block_size + p % block_size`.
+    """
+    input_ids.copy_(next_ids)
+    positions.add_(1)
+    context_lens.add_(1)
+    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
+    slot_mapping.copy_(blocks * block_size + positions % block_size)

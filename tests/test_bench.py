@@ -113,7 +113,7 @@ def test_optimization_steps_add_one_switch_each():
         EngineConfig(**kwargs)                                 # valid values (raises otherwise)
     defaults = {k: p.default for k, p in inspect.signature(Engine).parameters.items() if k in steps[-1][1]}
     resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True,
-                        "gemv": True}
+                        "gemv": True, "num_scheduler_steps": 8}
     assert steps[-1][1] == resolved_on_cuda
 
 

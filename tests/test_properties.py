@@ -130,6 +130,22 @@ def test_split_budget_against_brute_force(budget, num_decodes, remaining, cap):
     assert decodes + sum(chunks) <= budget
 
 
+def fake_model_step(scheduler: Scheduler, batch) -> None:
+    """One step of a fake model: account the batch's tokens, "sample" token 1 for every sequence at the end of
+    its known tokens, finish and remove the requests that stop; then check the scheduler's invariants. Requests
+    that finished earlier in a multi-step burst are skipped, as the engine does."""
+    for request, n in batch.items:
+        if not request.is_finished:
+            scheduler.update_after_step(request, n)
+    for request, n in batch.items:
+        if not request.is_finished and request.num_computed_tokens == len(request.token_ids):
+            request.append_token(1, 0.0)
+            if request.finish_reason is not None:
+                scheduler.remove(request)
+                request.finish(request.finish_reason)
+    scheduler.check_invariants()
+
+
 @settings(max_examples=60, deadline=None)
 @given(prompts=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12)), min_size=1, max_size=12),
        budget=st.integers(1, 24), cap=st.integers(1, 10), seats=st.integers(1, 6), block_size=st.integers(1, 5),
@@ -165,15 +181,55 @@ def test_random_schedules_keep_the_rules(prompts, budget, cap, seats, block_size
             if n < full:                      # a short chunk only when the budget is spent
                 assert batch.num_tokens == budget
         assert len(scheduler.prefilling_requests) + len(scheduler.running_requests) <= seats
-        # fake model: account tokens, "sample" token 1 for sequences at the end of their known tokens
-        for request, n in batch.items:
-            scheduler.update_after_step(request, n)
-        for request, n in batch.items:
-            if request.num_computed_tokens == len(request.token_ids):
-                request.append_token(1, 0.0)
-                if request.finish_reason is not None:
-                    scheduler.remove(request)
-                    request.finish(request.finish_reason)
-        scheduler.check_invariants()
+        fake_model_step(scheduler, batch)
+    assert all(r.is_finished and r.num_output_tokens == r.params.max_new_tokens for r in requests)
+    assert pool.num_free_blocks == num_blocks
+
+
+@settings(max_examples=60, deadline=None)
+@given(prompts=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12)), min_size=1, max_size=10),
+       budget=st.integers(1, 24), seats=st.integers(1, 6), block_size=st.integers(1, 5),
+       num_blocks=st.integers(20, 50), max_steps=st.integers(1, 9),
+       arrivals=st.lists(st.integers(0, 4), min_size=8, max_size=8))
+def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, num_blocks, max_steps, arrivals):
+    """`Scheduler.decode_steps_ahead` against its rules, under random arrivals and a fake model that takes every
+    burst's steps one by one: a burst only when all admitted requests decode and none waits, never longer than
+    `max_steps` or than the tokens any request has left, and with every new token's slot allocated."""
+    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=seats,
+                          max_num_batched_tokens=budget, max_prefill_chunk=8)
+    prompts = [(n, m) for n, m in prompts if -(-(n + m) // block_size) <= num_blocks]
+    pool = BlockPool(num_blocks)
+    scheduler = Scheduler(config, pool, PrefixCache(pool, block_size))
+    requests = [Request(f"r{i}", None, [i % 5] * n, SamplingParams(max_new_tokens=m), frozenset())
+                for i, (n, m) in enumerate(prompts)]
+    pending = list(requests)
+    step, bursts = 0, 0
+    while pending or scheduler.has_work():
+        arriving = arrivals[step % len(arrivals)] if scheduler.has_work() else max(1, arrivals[step % len(arrivals)])
+        for _ in range(min(arriving, len(pending))):
+            scheduler.add(pending.pop(0))
+        running = list(scheduler.running_requests)
+        all_decode = (not scheduler.waiting_queue and not scheduler.prefilling_requests and running
+                      and len(running) <= budget)
+        left = min((r.params.max_new_tokens - r.num_output_tokens for r in running), default=0)
+        free_before = pool.num_free_blocks
+        k = scheduler.decode_steps_ahead(max_steps)
+        if k > 1:
+            bursts += 1
+            assert all_decode and k == min(max_steps, left)
+            for r in running:
+                assert len(r.block_table) * block_size >= r.num_computed_tokens + k
+        else:
+            assert pool.num_free_blocks == free_before       # no burst: nothing allocated
+            fits = sum(max(0, -(-(r.num_computed_tokens + min(max_steps, left)) // block_size) - len(r.block_table))
+                       for r in running) <= free_before
+            assert not (all_decode and min(max_steps, left) >= 2 and fits)
+        batch = scheduler.schedule()
+        step += 1
+        assert step < 5000, "no progress"
+        if k > 1:
+            assert [r for r, _ in batch.items] == running and all(n == 1 for _, n in batch.items)
+        for _ in range(k):
+            fake_model_step(scheduler, batch)
     assert all(r.is_finished and r.num_output_tokens == r.params.max_new_tokens for r in requests)
     assert pool.num_free_blocks == num_blocks
