@@ -4,7 +4,8 @@ For each shape: eager time (CUDA events over ITERS calls after warm-up), time in
 GRAPH_CALLS calls (no launch overhead), GB/s of weight reads, agreement with F.linear. Each shape cycles
 through copies of W that together exceed the L2 (60 MB on an H200), so every call streams W from HBM as a
 decode step does. Then a sweep of (block_n, block_k, split_k, num_warps) in the graph: the best per shape, the
-best single config, and what `choose_config` picked. Writes `gemv-cuda[-quick]-<date>.json` to --out
+best single config, and what `choose_config` picked. Last, the MLP's gate/up with its SiLU-and-multiply as two
+kernels and as one (the product in the GEMV's epilogue). Writes `gemv-cuda[-quick]-<date>.json` to --out
 (default `benchmarks/results`). Chapter 07 cites its figures; `choose_config`'s defaults come from it.
 
     python benchmarks/gemv.py            # full sweep (a few minutes, mostly Triton compiles)
@@ -98,6 +99,23 @@ def rel_diff(x, w, cfg=None) -> float:
     return ((out.double() - ref).abs().max() / ref.abs().max()).item()
 
 
+def silu_and_mul_epilogue(k: int = 1024, n: int = 6144) -> dict[str, float]:
+    """The MLP's merged gate/up projection W `[n, k]` and its SiLU-and-multiply, in the graph: cuBLAS or the GEMV
+    kernel followed by the compiled elementwise kernel (what `fused_ops` runs), against the GEMV kernel with the
+    product in its epilogue (`linear_gemv(silu_and_mul=True)`). Microseconds per pair."""
+    from minirt.model.layers import fused, silu_and_mul
+
+    act = fused(silu_and_mul)
+    ws = [torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5
+          for _ in range(max(1, math.ceil(ROTATE_BYTES / (n * k * DTYPE.itemsize))))]
+    x = torch.randn(1, k, device="cuda", dtype=DTYPE)
+    return {"cuBLAS + compiled silu_and_mul": time_graph(lambda x_, w_: act(*F.linear(x_, w_).chunk(2, -1)), x, ws),
+            "GEMV kernel + compiled silu_and_mul": time_graph(
+                lambda x_, w_: act(*G.linear_gemv(x_, w_).chunk(2, -1)), x, ws),
+            "GEMV kernel, SiLU-and-multiply in its epilogue": time_graph(
+                lambda x_, w_: G.linear_gemv(x_, w_, silu_and_mul=True), x, ws)}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -175,8 +193,13 @@ def main():
     for cfg, sc in sorted(score.items(), key=lambda kv: kv[1])[:8]:
         print(f"    {cfg}  x{sc:.3f}   " + "  ".join(f"{d[cfg]:.2f}" for d in per_shape))
 
+    epilogue = silu_and_mul_epilogue()
+    print("\ngate/up at batch 1, then SiLU-and-multiply, inside a CUDA graph (us per pair):")
+    for name, us in epilogue.items():
+        print(f"    {us:6.2f} us  {name}")
+
     dev, versions = environment(device)
-    report = dict(device=dev, versions=versions, bandwidth=bandwidth, rows=rows,
+    report = dict(device=dev, versions=versions, bandwidth=bandwidth, rows=rows, silu_and_mul=epilogue,
                   sweep={shape: [dict(us=us, config=cfg, diff=d) for us, cfg, d in res] for shape, res in sweep.items()})
     write_report(report, args.out, f"gemv-cuda{'-quick' if args.quick else ''}-{datetime.date.today()}")
 

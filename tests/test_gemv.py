@@ -24,20 +24,25 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 CONFIGS = [(1, 64, 1, 1), (4, 32, 2, 2), (16, 16, 4, 1), (2, 128, 8, 4)]
 
 
-def check_linear_gemv(k, n, with_bias, x_lead, dtype, device, config=None, seed=0):
-    """Fresh random inputs; linear_gemv's output must match the float64 oracle in shape, dtype and values."""
+def check_linear_gemv(k, n, with_bias, x_lead, dtype, device, config=None, seed=0, silu_and_mul=False):
+    """Fresh random inputs; linear_gemv's output must match the float64 oracle in shape, dtype and values.
+    silu_and_mul: the oracle is `silu(gate) * up` of the two halves of the float64 product."""
     from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*x_lead, k, generator=gen).to(dtype).to(device)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
     b = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
-    out = linear_gemv(x, w, b, config=GemvConfig(*config) if config else None)
+    out = linear_gemv(x, w, b, config=GemvConfig(*config) if config else None, silu_and_mul=silu_and_mul)
     ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    if silu_and_mul:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
     assert out.shape == ref.shape and out.dtype == dtype and out.device == x.device
     scale = ref.abs().max().item()
     err = (out.double() - ref).abs().max().item()        # NaN (an unwritten output) fails the comparison
-    assert err <= TOL[dtype] * scale, f"max |out - ref| = {err:.3g}, {err / scale:.3g} of the output scale"
+    rounds = 3 if silu_and_mul else 1                     # as unfused: gate, up and their product are rounded
+    assert err <= rounds * TOL[dtype] * scale, f"max |out - ref| = {err:.3g}, {err / scale:.3g} of the output scale"
 
 
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
@@ -88,6 +93,28 @@ def test_gemv_matches_linear_interpreter(k, n, config, dtype):
     check_linear_gemv(k, n, True, (1, 1), dtype, "cpu", config)
 
 
+# Configs for the SiLU-and-multiply epilogue: it never splits K.
+GATED_CONFIGS = [(1, 64, 1, 1), (4, 32, 1, 2), (16, 16, 1, 1)]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [None] + GATED_CONFIGS, ids=str)
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k,n", [(1024, 6144), (100, 14), (1000, 666)])
+def test_gemv_silu_and_mul_cuda(k, n, with_bias, config, dtype):
+    check_linear_gemv(k, n, with_bias, (1, 1), dtype, "cuda", config, silu_and_mul=True)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [None] + GATED_CONFIGS, ids=str)
+@pytest.mark.parametrize("k,n", [(100, 14), (256, 64), (1000, 34)])
+def test_gemv_silu_and_mul_interpreter(k, n, config, dtype):
+    pytest.importorskip("triton")
+    check_linear_gemv(k, n, True, (1,), dtype, "cpu", config, silu_and_mul=True)
+
+
 def test_gemv_argument_errors():
     """Each bad argument is named; the checks run before any kernel, so CPU tensors do."""
     pytest.importorskip("triton")
@@ -108,3 +135,9 @@ def test_gemv_argument_errors():
         linear_gemv(torch.randn(1, 16), w, torch.randn(16)[::2])
     with pytest.raises(ValueError, match=r"^weight: must be torch.float32"):
         linear_gemv(torch.randn(1, 16), w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^weight: silu_and_mul needs gate and up rows, an even count, got 7"):
+        linear_gemv(torch.randn(1, 16), torch.randn(7, 16), silu_and_mul=True)
+    from minirt.kernels.gemv_triton import GemvConfig
+
+    with pytest.raises(ValueError, match=r"^config: silu_and_mul never splits K"):
+        linear_gemv(torch.randn(1, 16), w, config=GemvConfig(1, 16, 2), silu_and_mul=True)

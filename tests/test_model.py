@@ -143,13 +143,18 @@ def test_one_token_forward_with_gemv_equals_transformers(tiny_model_path):
 
     model, _ = minirt.load_model(tiny_model_path, device=TRITON_DEVICE, dtype=torch.float32)
     calls = []
-    model.set_gemv(lambda x, w, b: calls.append(w.shape) or linear_gemv(x, w, b))
+    model.set_gemv(lambda x, w, b, **kw: calls.append(w.shape) or linear_gemv(x, w, b, **kw))
     ids = torch.tensor(random_prompts(3, [1]))                      # one token: every matmul has one row
     got = _minirt_logits(model, ids)
     want = hf_logits(tiny_model_path, ids)
     num_layers = model.config.num_hidden_layers
     assert len(calls) == 7 * num_layers + 1                        # q, k, v, o, gate, up, down per layer; LM head
     torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4)
+    model.merge_projections()                                      # qkv, o, gate_up (with SiLU-and-mul), down
+    calls.clear()
+    torch.testing.assert_close(_minirt_logits(model, ids), want, atol=1e-4 * max(1.0, want.abs().max().item()),
+                               rtol=1e-4)
+    assert len(calls) == 4 * num_layers + 1
     model.set_gemv(None)
     calls.clear()
     _minirt_logits(model, ids)
@@ -159,18 +164,21 @@ def test_one_token_forward_with_gemv_equals_transformers(tiny_model_path):
 def test_linear_sends_only_one_row_inputs_to_gemv(tiny_model_path):
     """The `gemv` hook of `minirt.model.layers.Linear`, with `F.linear` standing in for the Triton kernel:
     a one-token forward calls it for every projection and the LM head (also after merging, which keeps the
-    hook), a longer one never does, and the logits do not change."""
-    import torch.nn.functional as F
+    hook; the merged gate/up with SiLU-and-multiply in its epilogue), a longer one never does, and the logits do
+    not change."""
+    from minirt.model.layers import gemv_reference
 
     model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
     one, two = torch.tensor(random_prompts(5, [1])), torch.tensor(random_prompts(5, [2]))
     plain = _minirt_logits(model, one)
     calls = []
-    model.set_gemv(lambda x, w, b: calls.append(x.shape) or F.linear(x, w, b))
+    model.set_gemv(lambda x, w, b, **kw: calls.append((x.shape, kw)) or gemv_reference(x, w, b, **kw))
     model.merge_projections()                                      # after set_gemv: the merged layers keep it
     assert torch.allclose(_minirt_logits(model, one), plain, atol=1e-5)
-    assert len(calls) == 4 * model.config.num_hidden_layers + 1    # qkv, o, gate_up, down per layer; LM head
-    assert all(shape[:-1].numel() == 1 for shape in calls)
+    num_layers = model.config.num_hidden_layers
+    assert len(calls) == 4 * num_layers + 1                        # qkv, o, gate_up, down per layer; LM head
+    assert all(shape[:-1].numel() == 1 for shape, _ in calls)
+    assert sum(kw.get("silu_and_mul", False) for _, kw in calls) == num_layers     # gate_up, with its epilogue
     calls.clear()
     _minirt_logits(model, two)
     assert not calls

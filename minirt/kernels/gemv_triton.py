@@ -49,7 +49,8 @@ class GemvConfig(NamedTuple):
 
 @triton.jit
 def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                 SILU_AND_MUL: tl.constexpr):
     split = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
@@ -58,15 +59,29 @@ def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
     # Elementwise products accumulate per lane; the one cross-thread sum comes after the loop, so no
     # step waits on a reduction before issuing its next loads.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)     # SILU_AND_MUL only (unused, removed otherwise)
     for k in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):    # split-K: this program's share of the chunks
         k_ok = k + cols < K
+        # All loads of the step are issued before any arithmetic waits on one of them.
         x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0)
         w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_AND_MUL:                                   # the up row of each gate row sits N rows further on
+            u = tl.load(w_rows + N * K + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if SILU_AND_MUL:
+            acc_up += u.to(tl.float32) * x.to(tl.float32)[None, :]
     y = tl.sum(acc, axis=1)
     if SPLIT_K == 1:
         if HAS_BIAS:
             y += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)
+        if SILU_AND_MUL:
+            # As unfused: gate and up rounded to the output dtype, then silu(gate) * up in float32, rounded once.
+            up = tl.sum(acc_up, axis=1)
+            if HAS_BIAS:
+                up += tl.load(Bias + N + rows, mask=row_ok, other=0.0).to(tl.float32)
+            gate = y.to(Out.dtype.element_ty).to(tl.float32)
+            up = up.to(Out.dtype.element_ty).to(tl.float32)
+            y = gate * tl.sigmoid(gate) * up
         tl.store(Out + rows, y.to(Out.dtype.element_ty), mask=row_ok)
     else:
         tl.store(Part + split * N + rows, y, mask=row_ok)
@@ -83,25 +98,31 @@ def _sum_splits_kernel(Part, Bias, Out, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.c
     tl.store(Out + rows, y.to(Out.dtype.element_ty), mask=ok)
 
 
-def choose_config(n: int, k: int, sm_count: int) -> GemvConfig:
+def choose_config(n: int, k: int, sm_count: int, split_k: bool = True) -> GemvConfig:
     """Block sizes for W `[n, k]`: ROWS x COLS tiles if that still gives PROGRAMS_PER_SM programs per SM; else
     one row per program, up to MAX_BLOCK_K of it per loop step, and split-K while there are still too few
-    programs. Depends only on the shapes, so a CUDA graph captured once keeps it."""
+    programs (unless `split_k` is False). Depends only on the shapes, so a CUDA graph captured once keeps it."""
     target = PROGRAMS_PER_SM * sm_count
     if triton.cdiv(n, ROWS) >= target:
         return GemvConfig(ROWS, min(COLS, max(16, triton.next_power_of_2(k))))
     block_k = min(MAX_BLOCK_K, max(16, triton.next_power_of_2(k)))
-    split_k = 1
-    while split_k < MAX_SPLIT_K and n * split_k < target and 2 * split_k <= triton.cdiv(k, block_k):
-        split_k *= 2
-    return GemvConfig(1, block_k, split_k)
+    splits = 1
+    while split_k and splits < MAX_SPLIT_K and n * splits < target and 2 * splits <= triton.cdiv(k, block_k):
+        splits *= 2
+    return GemvConfig(1, block_k, splits)
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                config: GemvConfig | None = None) -> torch.Tensor:
+                config: GemvConfig | None = None, silu_and_mul: bool = False) -> torch.Tensor:
     """`torch.nn.functional.linear(x, weight, bias)` for one row: x `[..., K]` with x.numel() == K, weight
     `[N, K]` contiguous, bias `[N]` or None -> `[..., N]` in x.dtype, accumulated in float32.
-    config: block sizes (None: `choose_config`). No host syncs: safe inside a CUDA graph capture."""
+
+    silu_and_mul: weight is a merged gate/up projection `[2 * I, K]` (gate rows, then up rows; bias `[2 * I]`)
+    and the result is `silu(gate) * up` `[..., I]`, computed in the kernel's epilogue: one kernel instead of a
+    GEMV and an elementwise one, and the `[2 * I]` intermediate never goes to memory (epilogue fusion; the
+    SwiGLU GEMM of TensorRT-LLM's `gemm_swiglu` plugin). Its programs never split K.
+    config: block sizes (None: `choose_config`). No host syncs: safe inside a CUDA graph capture.
+    Raises ValueError naming the argument for shapes, strides, dtypes or devices that do not fit."""
     if x.dim() == 0 or math.prod(x.shape[:-1]) != 1:
         raise ValueError(f"x: must have exactly one row (leading dims multiplying to 1), got shape {tuple(x.shape)}")
     if weight.dim() != 2 or weight.shape[1] != x.shape[-1]:
@@ -114,18 +135,24 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name}: must be {x.dtype} on {x.device} like x, got {t.dtype} on {t.device}")
+    if silu_and_mul:
+        if n % 2:
+            raise ValueError(f"weight: silu_and_mul needs gate and up rows, an even count, got {n}")
+        if config is not None and config.split_k > 1:
+            raise ValueError(f"config: silu_and_mul never splits K, got split_k={config.split_k}")
+        n //= 2
 
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     if n == 0:
         return out
-    cfg = config or choose_config(n, k, num_sms(x.device))
+    cfg = config or choose_config(n, k, num_sms(x.device), split_k=not silu_and_mul)
     xv = x.reshape(k)                                      # a view: one row has a single stride along K
     has_bias = bias is not None
     part = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1 else out
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
         xv, weight, bias if has_bias else out, out, part, n, k, xv.stride(0),
         HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        num_warps=cfg.num_warps)
+        SILU_AND_MUL=silu_and_mul, num_warps=cfg.num_warps)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, bias if has_bias else out, out, n,
                                                     HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK=1024)

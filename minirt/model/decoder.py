@@ -163,9 +163,9 @@ class DecoderModel(nn.Module):
                 module.fuse = enabled
 
     def set_gemv(self, gemv) -> None:
-        """Send one-row inputs of every projection and of the LM head to `gemv` (a function with `F.linear`'s
-        contract, e.g. `minirt.kernels.gemv_triton.linear_gemv`), or back to `F.linear` (None).
-        See `minirt.model.layers.Linear`."""
+        """Send one-row inputs of every projection and of the LM head to `gemv` (a function with
+        `minirt.model.layers.gemv_reference`'s contract, e.g. `minirt.kernels.gemv_triton.linear_gemv`), or back
+        to `F.linear` (None). See `minirt.model.layers.Linear`."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.gemv = gemv

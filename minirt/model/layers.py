@@ -144,10 +144,22 @@ def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   silu_and_mul: bool = False) -> torch.Tensor:
+    """The contract of a `Linear.gemv` kernel, in plain torch: `F.linear(x, weight, bias)`, or with
+    `silu_and_mul` (weight a merged gate/up projection `[2 * I, K]`) `silu(gate) * up` `[..., I]`.
+    `minirt.kernels.gemv_triton.linear_gemv` does the same for one row in one kernel."""
+    y = F.linear(x, weight, bias)
+    if not silu_and_mul:
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same checkpoint names) whose one-row inputs can go to a matrix-vector
-    kernel instead of cuBLAS: `gemv` is None (always `F.linear`) or a function with `F.linear`'s contract
-    for one row, such as `minirt.kernels.gemv_triton.linear_gemv` (chapter 07, `EngineConfig.gemv`).
+    kernel instead of cuBLAS: `gemv` is None (always `F.linear`) or a function with `gemv_reference`'s
+    contract for one row, such as `minirt.kernels.gemv_triton.linear_gemv` (chapter 07, `EngineConfig.gemv`).
     `merge_linears` keeps the setting of the first layer it merges.
     """
 
@@ -204,6 +216,9 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act = fused(silu_and_mul) if self.fuse else silu_and_mul
-        if self.gate_up_proj is not None:
-            return self.down_proj(act(*self.gate_up_proj(x).chunk(2, dim=-1)))
-        return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
+        proj = self.gate_up_proj
+        if proj is None:
+            return self.down_proj(act(self.gate_proj(x), self.up_proj(x)))
+        if proj.gemv is not None and x.shape[:-1].numel() == 1:    # one row: the product in the GEMV's epilogue
+            return self.down_proj(proj.gemv(x, proj.weight, proj.bias, silu_and_mul=True))
+        return self.down_proj(act(*proj(x).chunk(2, dim=-1)))
