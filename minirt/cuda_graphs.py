@@ -41,6 +41,8 @@ class DecodeGraphs:
     every sequence has one new token (`num_seqs` entries each; `block_tables` a list of lists) and returns
     the hidden states `[num_seqs, hidden_size]`: a view of the graph's output buffer, which the next `run`
     overwrites. `num_seqs` must be at most `max_num_seqs`; block tables at most `max_blocks_per_seq` long.
+    Multi-step decode (`minirt.model_runner.ModelRunner.execute_decode_steps`) moves the buffers on by one step
+    on the device (`inputs`) and replays again (`replay`), without the host copy.
 
     `kernel`, `store`: the paged-attention kernel and K/V write (see `minirt.attention.PagedAttention`).
     `capture=False` runs the same padded static-buffer forward eagerly instead of replaying a graph: the
