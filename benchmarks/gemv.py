@@ -102,14 +102,19 @@ def rel_diff(x, w, cfg=None) -> float:
 def silu_and_mul_epilogue(k: int = 1024, n: int = 6144) -> dict[str, float]:
     """The MLP's merged gate/up projection W `[n, k]` and its SiLU-and-multiply, in the graph: cuBLAS or the GEMV
     kernel followed by the compiled elementwise kernel (what `fused_ops` runs), against the GEMV kernel with the
-    product in its epilogue (`linear_gemv(silu_and_mul=True)`). Microseconds per pair."""
+    product in its epilogue (`linear_gemv(silu_and_mul=True)`). Microseconds per pair, and the fused result's
+    largest error against the float64 reference relative to the largest output."""
     from minirt.model.layers import fused, silu_and_mul
 
     act = fused(silu_and_mul)
     ws = [torch.randn(n, k, device="cuda", dtype=DTYPE) / k ** 0.5
           for _ in range(max(1, math.ceil(ROTATE_BYTES / (n * k * DTYPE.itemsize))))]
     x = torch.randn(1, k, device="cuda", dtype=DTYPE)
-    return {"cuBLAS + compiled silu_and_mul": time_graph(lambda x_, w_: act(*F.linear(x_, w_).chunk(2, -1)), x, ws),
+    gate, up = F.linear(x.double(), ws[0].double()).chunk(2, -1)
+    ref = F.silu(gate) * up
+    diff = ((G.linear_gemv(x, ws[0], silu_and_mul=True).double() - ref).abs().max() / ref.abs().max()).item()
+    return {"max |fused - float64 reference| / max |reference|": diff,
+            "cuBLAS + compiled silu_and_mul": time_graph(lambda x_, w_: act(*F.linear(x_, w_).chunk(2, -1)), x, ws),
             "GEMV kernel + compiled silu_and_mul": time_graph(
                 lambda x_, w_: act(*G.linear_gemv(x_, w_).chunk(2, -1)), x, ws),
             "GEMV kernel, SiLU-and-multiply in its epilogue": time_graph(
@@ -195,8 +200,8 @@ def main():
 
     epilogue = silu_and_mul_epilogue()
     print("\ngate/up at batch 1, then SiLU-and-multiply, inside a CUDA graph (us per pair):")
-    for name, us in epilogue.items():
-        print(f"    {us:6.2f} us  {name}")
+    for name, value in epilogue.items():
+        print(f"    {value:6.2f} us  {name}" if name.startswith(("cuBLAS", "GEMV")) else f"    {value:.1e}  {name}")
 
     dev, versions = environment(device)
     report = dict(device=dev, versions=versions, bandwidth=bandwidth, rows=rows, silu_and_mul=epilogue,

@@ -32,8 +32,9 @@ class EngineConfig:
     matrix-vector kernel instead of cuBLAS (see `minirt.kernels.gemv_triton`); None = with CUDA graphs, which
     hide its launch cost (a Triton launch from Python costs more CPU time than a cuBLAS one).
     num_scheduler_steps: decode steps run back to back per schedule when every admitted request is decoding
-    and none waits, each step's sampled tokens fed to the next on the device, with one host sync at the end
-    (multi-step scheduling, vLLM 0.6's `--num-scheduler-steps`; see `minirt.model_runner.ModelRunner.execute_decode_steps`).
+    and none waits, each step's sampled tokens fed to the next on the device, with one host sync at the end when
+    every request is greedy (a sampling request adds the sampler's syncs, as in single steps). Multi-step
+    scheduling, vLLM 0.6's `--num-scheduler-steps`; see `minirt.model_runner.ModelRunner.execute_decode_steps`.
     None = 8 with CUDA graphs, where the host's per-step work is a large share of a step, else 1 (off).
     """
 

@@ -155,7 +155,7 @@ class Engine:
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._failure: str | None = None
-        self.num_steps = 0
+        self.num_steps = 0        # forward steps: each decode step of a multi-step burst counts one
         #: Called as `callback(engine, batch)` after each step's bookkeeping, before the loop yields:
         #: the place to record timelines or check invariants (chapters 05-06, the load tests).
         self.step_callbacks: list = []
@@ -174,7 +174,8 @@ class Engine:
         return self.scheduler.running_requests
 
     def stats(self) -> dict:
-        """Pool and queue sizes right now, plus prefix-cache counters (tokens)."""
+        """Pool and queue sizes right now, plus prefix-cache counters (tokens). `num_steps` counts forward
+        steps: an engine step that runs a multi-step burst of k decode steps adds k."""
         return {
             "num_total_blocks": self.pool.num_blocks,
             "num_free_blocks": self.pool.num_free_blocks,

@@ -132,7 +132,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute_decode_steps(self, items: list[tuple[Request, int]], num_steps: int
                              ) -> tuple[list[Request], list[list[int]]]:
-        """Run `num_steps` decode steps of the same requests back to back, with one host sync at the end.
+        """Run `num_steps` decode steps of the same requests back to back, with one host sync at the end
+        (when every request is greedy; `minirt.sampling.sample` syncs inside for the others, as in single steps).
 
         Multi-step scheduling (vLLM 0.6, "--num-scheduler-steps"): the host's work between two steps
         (postprocess, schedule, build the inputs, launch) leaves the GPU idle once per step; here each step's

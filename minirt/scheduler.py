@@ -178,7 +178,9 @@ class Scheduler:
         More than one only when every admitted request is decoding, none waits (a burst delays admission),
         they fit the token budget, and the free blocks cover every request's new tokens without preemption.
         The count never exceeds `max_steps` nor the tokens any request may still generate, so only a stop
-        (EOS, a stop string) can end a request part-way through.
+        (EOS, a stop string) can end a request part-way through. The price of that rule: one request near its
+        `max_new_tokens` shortens (or, with one token left, cancels) the burst of all the others; vLLM ran all
+        k steps instead and dropped the surplus tokens.
         """
         running = self.running_requests
         if (max_steps < 2 or self.waiting_queue or self.prefilling_requests or not running

@@ -55,6 +55,7 @@ def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows.to(tl.int64)[:, None] * K          # int64: N * K can pass 2**31 (a large vocabulary)
+    up_rows = W + (rows + N).to(tl.int64)[:, None] * K    # SILU_AND_MUL: the up row of each gate row, N rows on
     cols = tl.arange(0, BLOCK_K)
     # Elementwise products accumulate per lane; the one cross-thread sum comes after the loop, so no
     # step waits on a reduction before issuing its next loads.
@@ -65,8 +66,8 @@ def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
         # All loads of the step are issued before any arithmetic waits on one of them.
         x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0)
         w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        if SILU_AND_MUL:                                   # the up row of each gate row sits N rows further on
-            u = tl.load(w_rows + N * K + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_AND_MUL:
+            u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         if SILU_AND_MUL:
             acc_up += u.to(tl.float32) * x.to(tl.float32)[None, :]
@@ -75,7 +76,8 @@ def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
         if HAS_BIAS:
             y += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)
         if SILU_AND_MUL:
-            # As unfused: gate and up rounded to the output dtype, then silu(gate) * up in float32, rounded once.
+            # As the compiled path (`fused_ops`): gate and up rounded to the output dtype, then silu(gate) * up
+            # in float32, rounded once (eager torch also rounds silu(gate) before the product).
             up = tl.sum(acc_up, axis=1)
             if HAS_BIAS:
                 up += tl.load(Bias + N + rows, mask=row_ok, other=0.0).to(tl.float32)

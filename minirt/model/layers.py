@@ -160,7 +160,8 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same checkpoint names) whose one-row inputs can go to a matrix-vector
     kernel instead of cuBLAS: `gemv` is None (always `F.linear`) or a function with `gemv_reference`'s
     contract for one row, such as `minirt.kernels.gemv_triton.linear_gemv` (chapter 07, `EngineConfig.gemv`).
-    `merge_linears` keeps the setting of the first layer it merges.
+    That contract includes `silu_and_mul=True`, which `GatedMLP` passes for its merged gate/up: a plain
+    `F.linear` no longer fits as a hook. `merge_linears` keeps the setting of the first layer it merges.
     """
 
     gemv = None
