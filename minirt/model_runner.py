@@ -99,21 +99,27 @@ class ModelRunner:
         rows = step.sample_rows
         return hidden if len(rows) == len(step.input_ids) else hidden[rows]
 
-    def sample(self, hidden: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        """The next token of each row of `hidden` `[num_rows, hidden_size]` (row i belongs to `requests[i]`):
-        `[num_rows]` int64 on the device. An all-greedy batch is seen on the host and takes the argmax with no
-        host sync; others go through `minirt.sampling.sample`."""
-        logits = self.model.compute_logits(hidden)                             # [num_rows, vocab]
+    def sampling_tensors(self, requests: list[Request]) -> tuple[torch.Tensor, ...] | None:
+        """`(temperature, top_k, top_p)` `[num_requests]` on the device for `minirt.sampling.sample`, or None
+        when every request is greedy (decided on the host: no device sync to find out)."""
         params = [r.params for r in requests]
         if all(p.greedy for p in params):
-            return logits.argmax(dim=-1)
+            return None
         dev = self.device
-        return sample(
-            logits,
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
-            torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
-            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev),
-            [r.generator for r in requests])
+        return (torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev),
+                torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
+                torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev))
+
+    def sample(self, hidden: torch.Tensor, requests: list[Request], tensors: tuple | None = None) -> torch.Tensor:
+        """The next token of each row of `hidden` `[num_rows, hidden_size]` (row i belongs to `requests[i]`):
+        `[num_rows]` int64 on the device. An all-greedy batch takes the argmax with no host sync; others go
+        through `minirt.sampling.sample`. `tensors`: `sampling_tensors(requests)`, built by the caller when it
+        samples the same requests several times (multi-step decode); None builds them here."""
+        logits = self.model.compute_logits(hidden)                             # [num_rows, vocab]
+        tensors = tensors or self.sampling_tensors(requests)
+        if tensors is None:
+            return logits.argmax(dim=-1)
+        return sample(logits, *tensors, [r.generator for r in requests])
 
     @torch.inference_mode()
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
@@ -156,7 +162,8 @@ class ModelRunner:
             attn = PagedAttention(self.kv_cache, meta, self.attention_kernel, self.store)
             hidden = self.model(input_ids, positions, attn=attn)[0]
             inputs = (input_ids[0], positions[0], meta.slot_mapping, meta.context_lens, meta.block_tables)
-        tokens = [self.sample(hidden, requests)]
+        tensors = self.sampling_tensors(requests)                          # once per burst
+        tokens = [self.sample(hidden, requests, tensors)]
         for _ in range(num_steps - 1):
             advance_decode_inputs(tokens[-1], *inputs, self.block_size)
             if meta is None:
@@ -164,7 +171,7 @@ class ModelRunner:
             else:
                 meta.max_context_len += 1
                 hidden = self.model(input_ids, positions, attn=attn)[0]
-            tokens.append(self.sample(hidden, requests))
+            tokens.append(self.sample(hidden, requests, tensors))
         return requests, torch.stack(tokens).tolist()
 
 
