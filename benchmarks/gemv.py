@@ -10,6 +10,14 @@ kernels and as one (the product in the GEMV's epilogue). Writes `gemv-cuda[-quic
 
     python benchmarks/gemv.py            # full sweep (a few minutes, mostly Triton compiles)
     python benchmarks/gemv.py --quick    # defaults and a handful of configs
+    python benchmarks/gemv.py --chain    # a decode step's GEMVs back to back, with and without PDL
+
+`--chain` measures what a batch-1 decode step runs: 28 layers' four GEMVs (q/k/v and gate/up with the norm in
+their prologue, o_proj, down_proj; the gate/up with SiLU-and-multiply), each taking the one before's output as
+its x, all with their own weights (0.88 GB, more than the L2), captured in one CUDA graph. Isolated calls
+overstate each kernel's ramp-up and tail, which a chain with programmatic dependent launch (PDL) overlaps.
+It times the chain with `choose_config`'s tiles without and with PDL, then varies one layer GEMV's tiles at
+a time (the others at their defaults), with PDL. Writes `gemv-chain-cuda-<date>.json`.
 """
 
 from __future__ import annotations
@@ -78,6 +86,13 @@ def time_graph(fn, x, ws) -> float:
     with torch.cuda.graph(g):
         for i in range(GRAPH_CALLS):
             fn(x, ws[i % len(ws)])
+    us = replay_time(g, GRAPH_CALLS)
+    del g
+    return us
+
+
+def replay_time(g: torch.cuda.CUDAGraph, calls: int) -> float:
+    """Microseconds per call of a captured graph of `calls` calls: median of REPEATS timings of REPLAYS replays."""
     g.replay()
     torch.cuda.synchronize()
     times = []
@@ -88,8 +103,7 @@ def time_graph(fn, x, ws) -> float:
             g.replay()
         e.record()
         e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3 / (REPLAYS * GRAPH_CALLS))
-    del g
+        times.append(s.elapsed_time(e) * 1e3 / (REPLAYS * calls))
     return statistics.median(times)
 
 
@@ -121,9 +135,96 @@ def silu_and_mul_epilogue(k: int = 1024, n: int = 6144) -> dict[str, float]:
                 lambda x_, w_: G.linear_gemv(x_, w_, silu_and_mul=True), x, ws)}
 
 
+#: The four GEMVs of a Qwen3-0.6B layer as (name, K, N, what the call fuses): N counts the rows of W.
+LAYER = [("qkv_proj + input norm", 1024, 4096, "norm"), ("o_proj", 2048, 1024, ""),
+         ("gate_up_proj + norm + SiLU", 1024, 6144, "norm,silu"), ("down_proj", 3072, 1024, "")]
+NUM_LAYERS = 28
+
+
+def chain_candidates(n: int, fuses: str) -> list:
+    """Tiles to try for one layer GEMV in the chain: split-K only for plain calls (the fused ones never split)."""
+    tiles = [(1, 1024, 4), (1, 2048, 4), (1, 4096, 8), (2, 1024, 4), (2, 2048, 8), (4, 512, 4), (4, 1024, 4),
+             (4, 1024, 8), (8, 256, 4), (8, 512, 4), (8, 1024, 8), (16, 512, 8)]
+    out = [G.GemvConfig(bn, bk, 1, nw) for bn, bk, nw in tiles]
+    if not fuses:
+        out += [G.GemvConfig(1, 1024, 2, 4), G.GemvConfig(2, 512, 2, 4), G.GemvConfig(4, 512, 2, 4)]
+    return out
+
+
+def layer_chain(pdl: bool, configs: dict | None = None) -> float:
+    """Microseconds per layer of NUM_LAYERS layers' GEMVs replayed from one CUDA graph (see the module docstring).
+    configs: {index in LAYER: GemvConfig} overriding `choose_config` for that GEMV in every layer."""
+    configs = configs or {}
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [[torch.randn(n, k, device="cuda", dtype=DTYPE, generator=gen) / k ** 0.5 for _, k, n, _ in LAYER]
+               for _ in range(NUM_LAYERS)]
+    norm_w = torch.ones(1024, device="cuda", dtype=DTYPE)
+    x0 = torch.randn(1, 1024, device="cuda", dtype=DTYPE)
+
+    def step():
+        x, stream = x0, None
+        for ws in weights:
+            qkv, stream = G.linear_gemv(x, ws[0], config=configs.get(0), norm_weight=norm_w, residual=stream, pdl=pdl)
+            o = G.linear_gemv(qkv[:, :2048], ws[1], config=configs.get(1), pdl=pdl)
+            act, stream = G.linear_gemv(o, ws[2], config=configs.get(2), silu_and_mul=True, norm_weight=norm_w,
+                                        residual=stream, pdl=pdl)
+            x = G.linear_gemv(act, ws[3], config=configs.get(3), pdl=pdl)
+        return x
+
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    us = replay_time(g, NUM_LAYERS)
+    del g
+    return us
+
+
+def chain_sweep(out_dir: str) -> None:
+    from minirt.kernels import pdl_missing
+
+    device = torch.device("cuda")
+    layer_bytes = sum(k * n for _, k, n, _ in LAYER) * DTYPE.itemsize
+    bandwidth = copy_bandwidth(device, 1 << 30)
+    ideal = layer_bytes / bandwidth["bytes_per_s"] * 1e6         # bytes_per_s counts a copy's reads and writes
+    report = {"layer_bytes": layer_bytes, "bandwidth": bandwidth, "ideal_us_per_layer": ideal}
+    report["default_no_pdl_us"] = layer_chain(False)
+    print(f"weights per layer {layer_bytes / 1e6:.1f} MB: {ideal:.2f} us at the copy bandwidth")
+    print(f"default tiles, no PDL: {report['default_no_pdl_us']:.2f} us per layer")
+    missing = pdl_missing(device)
+    if missing:
+        print(f"PDL needs {missing}: the rest of the sweep is skipped")
+        report["pdl_missing"] = missing
+    else:
+        report["default_pdl_us"] = base = layer_chain(True)
+        print(f"default tiles, PDL:    {base:.2f} us per layer")
+        report["one_at_a_time"] = {}
+        sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+        for i, (name, k, n, fuses) in enumerate(LAYER):
+            rows_n = n // 2 if "silu" in fuses else n
+            default = G.choose_config(rows_n, k, sm_count, split_k=not fuses)
+            results = []
+            for cfg in chain_candidates(rows_n, fuses):
+                if not fits(cfg, k):
+                    continue
+                try:
+                    results.append((layer_chain(True, {i: cfg}), tuple(cfg)))
+                except Exception as err:           # e.g. out of resources for a large tile
+                    print(f"  {name} {tuple(cfg)}: {type(err).__name__}: {str(err)[:100]}")
+            results.sort()
+            report["one_at_a_time"][name] = {"default": tuple(default), "results": results}
+            print(f"{name}: default {tuple(default)}; fastest "
+                  + ", ".join(f"{cfg} {us:.2f}" for us, cfg in results[:4]), flush=True)
+    dev, versions = environment(device)
+    write_report({"device": dev, "versions": versions, **report}, out_dir,
+                 f"gemv-chain-cuda-{datetime.date.today()}")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--chain", action="store_true", help="a decode step's GEMV chain, with and without PDL")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -135,6 +236,9 @@ def main():
     props = torch.cuda.get_device_properties(0)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, triton {triton.__version__}")
 
+    if args.chain:
+        chain_sweep(args.out)
+        return 0
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device, 1 << 30)                # the bench's HBM yardstick: a 1 GiB copy
     print(f"device copy: {bandwidth['bytes_per_s'] / 1e9:.0f} GB/s (read + write)")

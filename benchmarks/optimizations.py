@@ -37,21 +37,26 @@ from minirt.metrics import format_table
 
 #: (label, minirt.LLM settings): each step adds one optimization to the one before.
 _OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False,
-            gemv=False, num_scheduler_steps=1)
+            gemv=False, num_scheduler_steps=1, norm_in_gemv=False, rotary_kernel=False, pdl=False)
+_GRAPHS = {**_OFF, "attention_backend": "triton", "enforce_eager": False}
 STEPS = [
     ("eager, torch attention", _OFF),
     ("+ Triton paged attention", {**_OFF, "attention_backend": "triton"}),
-    ("+ CUDA graphs (decode)", {**_OFF, "attention_backend": "triton", "enforce_eager": False}),
-    ("+ fused ops (torch.compile)", {**_OFF, "attention_backend": "triton", "enforce_eager": False,
-                                     "fused_ops": True}),
-    ("+ merged projections", {**_OFF, "attention_backend": "triton", "enforce_eager": False, "fused_ops": True,
-                              "merge_projections": True}),
-    ("+ split-KV decode attention", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
-                                         fused_ops=True, merge_projections=True, gemv=False, num_scheduler_steps=1)),
-    ("+ Triton GEMV (batch 1)", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
-                                     fused_ops=True, merge_projections=True, gemv=True, num_scheduler_steps=1)),
-    ("+ multi-step decode (8 steps)", dict(attention_backend="triton", split_kv=True, enforce_eager=False,
-                                           fused_ops=True, merge_projections=True, gemv=True, num_scheduler_steps=8)),
+    ("+ CUDA graphs (decode)", _GRAPHS),
+    ("+ fused ops (torch.compile)", {**_GRAPHS, "fused_ops": True}),
+    ("+ merged projections", {**_GRAPHS, "fused_ops": True, "merge_projections": True}),
+    ("+ split-KV decode attention", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True}),
+    ("+ Triton GEMV (batch 1)", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
+                                 "gemv": True}),
+    ("+ multi-step decode (8 steps)", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
+                                       "gemv": True, "num_scheduler_steps": 8}),
+    ("+ norms in the GEMV prologue", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
+                                      "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True}),
+    ("+ one q/k rotary kernel", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
+                                 "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True, "rotary_kernel": True}),
+    ("+ programmatic dependent launch", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
+                                         "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True,
+                                         "rotary_kernel": True, "pdl": True}),
 ]
 
 

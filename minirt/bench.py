@@ -318,6 +318,9 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             "fused_ops": engine.model.model.norm.fuse,
             "merged_projections": engine.model.model.layers[0].self_attn.qkv_proj is not None,
             "gemv": engine.model.lm_head.gemv is not None, "num_scheduler_steps": engine.num_scheduler_steps,
+            "norm_in_gemv": engine.model.model.layers[0].norm_in_gemv,
+            "rotary_kernel": engine.model.model.layers[0].self_attn.rotary_kernel is not None,
+            "pdl": bool(getattr(kernel, "keywords", {}).get("pdl", False)),
             "num_kv_blocks": engine.config.num_kv_blocks,
             "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size
@@ -424,6 +427,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="minirt's Triton matrix-vector kernel for one-row GEMMs (auto: with CUDA graphs)")
     p.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
                    help="minirt's decode steps per schedule when all requests decode (default: 8 with CUDA graphs, else 1)")
+    p.add_argument("--norm-in-gemv", choices=["auto", "on", "off"], default="auto",
+                   help="minirt's norms in the GEMV kernel's prologue for one-token steps (auto: with gemv, merged)")
+    p.add_argument("--rotary-kernel", choices=["auto", "on", "off"], default="auto",
+                   help="minirt's q/k norm and rotation in one Triton kernel (auto: with CUDA graphs)")
+    p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
+                   help="minirt's Triton kernels with programmatic dependent launch (auto: with CUDA graphs, Hopper+)")
     return p
 
 
@@ -436,7 +445,7 @@ def engine_kwargs_of(args) -> dict:
         kwargs["split_kv"] = False
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
-    for name in ("fused_ops", "merge_projections", "gemv"):
+    for name in ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl"):
         if getattr(args, name) != "auto":
             kwargs[name] = getattr(args, name) == "on"
     if args.num_scheduler_steps is not None:

@@ -36,6 +36,14 @@ class EngineConfig:
     every request is greedy (a sampling request adds the sampler's syncs, as in single steps). Multi-step
     scheduling, vLLM 0.6's `--num-scheduler-steps`; see `minirt.model_runner.ModelRunner.execute_decode_steps`.
     None = 8 with CUDA graphs, where the host's per-step work is a large share of a step, else 1 (off).
+    norm_in_gemv: in one-token steps, run each layer's two RMSNorms (with their residual additions) in the
+    prologue of the GEMV kernel after them, the merged q/k/v and gate/up projections (see
+    `minirt.model.decoder.DecoderLayer.forward_one_row`); needs gemv and merge_projections. None = where both are on.
+    rotary_kernel: the q/k norm and the rotation of q and k in one Triton kernel instead of the two that
+    `torch.compile` makes of them (see `minirt.kernels.rotary_triton`). None = with CUDA graphs.
+    pdl: launch the Triton kernels (GEMV, paged attention, K/V write) with programmatic dependent launch, so each
+    starts while the one before finishes and the GEMV streams its first weights meanwhile (see
+    `minirt.kernels.gemv_triton.linear_gemv`); needs a Hopper or later GPU. None = with CUDA graphs where it can run.
     """
 
     block_size: int = 16
@@ -52,6 +60,9 @@ class EngineConfig:
     merge_projections: bool | None = None
     gemv: bool | None = None
     num_scheduler_steps: int | None = None
+    norm_in_gemv: bool | None = None
+    rotary_kernel: bool | None = None
+    pdl: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -68,10 +79,16 @@ class EngineConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
         for name, auto in (("fused_ops", "on CUDA only"), ("merge_projections", "on CUDA only"),
-                           ("gemv", "with CUDA graphs")):
+                           ("gemv", "with CUDA graphs"), ("norm_in_gemv", "with gemv and merged projections"),
+                           ("rotary_kernel", "with CUDA graphs"),
+                           ("pdl", "with CUDA graphs where it can run")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}: must be a bool or None (None = {auto}), got {value!r}")
+        if self.norm_in_gemv and (self.gemv is False or self.merge_projections is False):
+            raise ValueError("norm_in_gemv: the norm runs in the GEMV kernel's prologue of a merged projection, "
+                             f"so it needs gemv and merge_projections, got gemv={self.gemv!r}, "
+                             f"merge_projections={self.merge_projections!r}")
 
 
 def cdiv(a: int, b: int) -> int:

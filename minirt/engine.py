@@ -22,6 +22,7 @@ leaving futures pending, and later submissions are refused until the engine is r
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
@@ -33,7 +34,7 @@ import torch
 from minirt.attention import paged_attention_reference
 from minirt.config import EngineConfig, cdiv
 from minirt.cuda_graphs import DecodeGraphs
-from minirt.kernels import refuse_missing_triton, select_paged_attention
+from minirt.kernels import pdl_missing, refuse_missing_triton, select_paged_attention, triton_missing
 from minirt.kv.block_pool import BlockPool
 from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
@@ -107,12 +108,18 @@ class Engine:
                  max_model_len: int | None = None, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", split_kv: bool = True, enforce_eager: bool = False,
                  fused_ops: bool | None = None, merge_projections: bool | None = None, gemv: bool | None = None,
-                 num_scheduler_steps: int | None = None):
+                 num_scheduler_steps: int | None = None, norm_in_gemv: bool | None = None,
+                 rotary_kernel: bool | None = None, pdl: bool | None = None):
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                    max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
-                                   split_kv, enforce_eager, fused_ops, merge_projections, gemv, num_scheduler_steps)
+                                   split_kv, enforce_eager, fused_ops, merge_projections, gemv, num_scheduler_steps,
+                                   norm_in_gemv, rotary_kernel, pdl)
         device = resolve_device(device)
         refuse_missing_triton(device, attention_backend, gemv)     # before the checkpoint takes any memory
+        if rotary_kernel and (missing := triton_missing(device)):
+            raise ValueError(f"rotary_kernel: the Triton kernel needs {' and '.join(missing)}")
+        if pdl and (missing := pdl_missing(device)):
+            raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config
@@ -130,16 +137,29 @@ class Engine:
         kernel, store = select_paged_attention(attention_backend, self.device, head_dim_of(mc), split_kv)
         use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
         use_gemv = use_graphs if gemv is None else gemv         # None: where graphs hide its launch cost
+        use_pdl = (use_graphs and not pdl_missing(self.device)) if pdl is None else pdl
+        if use_pdl and kernel is not paged_attention_reference:
+            kernel, store = functools.partial(kernel, pdl=True), functools.partial(store, pdl=True)
         # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
         kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
         on_cuda = self.device.type == "cuda"                 # None: the switch is on where it pays, on CUDA
         self.model.set_fused_ops(on_cuda if fused_ops is None else fused_ops)
-        if merge_projections or (merge_projections is None and on_cuda):
+        merged = bool(merge_projections or (merge_projections is None and on_cuda))
+        if merged:
             self.model.merge_projections()
         if use_gemv:
             from minirt.kernels.gemv_triton import linear_gemv
 
-            self.model.set_gemv(linear_gemv)
+            self.model.set_gemv(functools.partial(linear_gemv, pdl=True) if use_pdl else linear_gemv)
+        if norm_in_gemv is None:
+            norm_in_gemv = use_gemv and merged
+        elif norm_in_gemv and not (use_gemv and merged):
+            raise ValueError(f"norm_in_gemv: needs gemv and merge_projections, which resolved to {use_gemv} and {merged}")
+        self.model.set_norm_in_gemv(norm_in_gemv)
+        if use_graphs if rotary_kernel is None else rotary_kernel:
+            from minirt.kernels.rotary_triton import norm_and_rotate_triton
+
+            self.model.set_rotary_kernel(functools.partial(norm_and_rotate_triton, pdl=use_pdl))
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(self.model, kv_cache, kernel, max_num_seqs, cdiv(max_model_len, block_size),

@@ -121,7 +121,8 @@ def test_bad_request_ids_and_timeouts(tiny_models, engine_kw):
                                          ("max_model_len", 10**6), ("dtype", "int8"),
                                          ("attention_backend", "cuda"), ("attention_backend", None),
                                          ("split_kv", 1), ("enforce_eager", "yes"), ("fused_ops", "on"),
-                                         ("merge_projections", 0), ("gemv", "yes")])
+                                         ("merge_projections", 0), ("gemv", "yes"), ("norm_in_gemv", 1),
+                                         ("rotary_kernel", "on"), ("pdl", "on")])
 def test_bad_engine_settings(tiny_models, field, value):
     with pytest.raises(ValueError, match=field):
         minirt.Engine(tiny_models["llama"], **{field: value})
@@ -134,6 +135,23 @@ def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models, 
         minirt.Engine(tiny_models["llama"], device="cpu", attention_backend="triton")
     with pytest.raises(ValueError, match=r"gemv: the Triton matrix-vector kernel needs a CUDA device \(got cpu\)"):
         minirt.Engine(tiny_models["llama"], device="cpu", gemv=True)
+    with pytest.raises(ValueError, match=r"pdl: programmatic dependent launch needs a CUDA device \(got cpu\)"):
+        minirt.Engine(tiny_models["llama"], device="cpu", pdl=True)
+    with pytest.raises(ValueError, match=r"rotary_kernel: the Triton kernel needs a CUDA device \(got cpu\)"):
+        minirt.Engine(tiny_models["llama"], device="cpu", rotary_kernel=True)
+
+
+def test_norm_in_gemv_refused_without_its_gemv(tiny_models):
+    """The norm runs in the GEMV's prologue: asking for it with the GEMV or the merge off is refused, by name, at
+    the config when the conflict is explicit, and after the switches resolve otherwise."""
+    from minirt.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^norm_in_gemv: .* needs gemv and merge_projections, got gemv=False"):
+        EngineConfig(gemv=False, norm_in_gemv=True)
+    with pytest.raises(ValueError, match=r"^norm_in_gemv: .* got gemv=None, merge_projections=False"):
+        EngineConfig(merge_projections=False, norm_in_gemv=True)
+    with pytest.raises(ValueError, match=r"^norm_in_gemv: needs gemv and merge_projections, which resolved to False"):
+        minirt.Engine(tiny_models["llama"], device="cpu", norm_in_gemv=True)
 
 
 @pytest.mark.parametrize("device,words", [("cuda:99", "device: 'cuda:99'"), ("foo", "device: expected 'cpu'"),

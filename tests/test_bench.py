@@ -99,7 +99,8 @@ def _benchmark_module(name: str = "optimizations"):
 
 def test_optimization_steps_add_one_switch_each():
     """benchmarks/optimizations.py (chapter 07's figures): every step turns on exactly one more switch, all
-    are valid engine settings, and the last step is what the engine does on CUDA by default."""
+    are valid engine settings, and the last step is what the engine does on CUDA by default (on a Hopper GPU,
+    where PDL can run)."""
     import inspect
 
     from minirt.config import EngineConfig
@@ -113,7 +114,8 @@ def test_optimization_steps_add_one_switch_each():
         EngineConfig(**kwargs)                                 # valid values (raises otherwise)
     defaults = {k: p.default for k, p in inspect.signature(Engine).parameters.items() if k in steps[-1][1]}
     resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True,
-                        "gemv": True, "num_scheduler_steps": 8}
+                        "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True, "rotary_kernel": True,
+                        "pdl": True}
     assert steps[-1][1] == resolved_on_cuda
 
 

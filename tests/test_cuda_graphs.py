@@ -105,3 +105,24 @@ def test_cuda_graphs_equal_transformers(tiny_model_path, fused_ops):
                        num_kv_blocks=2048, enforce_eager=True)
     assert eager.engine.model_runner.decode_graphs is None
     assert eager.engine.model.lm_head.gemv is None              # and off without them
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("pdl", [False, None], ids=["no-pdl", "pdl-auto"])
+def test_batch1_decode_with_norm_in_gemv_equals_transformers(tiny_model_path, pdl):
+    """One request at a time, so every decode step takes the one-row path of chapter 07's last switches: the
+    norms in the GEMV's prologue (on by default with the GEMV) and, where the GPU has it, PDL."""
+    from minirt.kernels import pdl_missing
+
+    llm = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=1,
+                     num_kv_blocks=512, pdl=pdl)
+    assert llm.engine.model.model.layers[0].norm_in_gemv
+    kernel = llm.engine.model_runner.attention_kernel
+    want_pdl = pdl is None and not pdl_missing(torch.device("cuda"))
+    assert getattr(kernel, "keywords", {}).get("pdl", False) == want_pdl
+    rng = random.Random(5)
+    prompts = random_prompts(13, [rng.randint(1, 40) for _ in range(6)])
+    ns = [rng.randint(1, 30) for _ in prompts]
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}, n={n}"

@@ -115,6 +115,104 @@ def test_gemv_silu_and_mul_interpreter(k, n, config, dtype):
     check_linear_gemv(k, n, True, (1,), dtype, "cpu", config, silu_and_mul=True)
 
 
+def check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, device, config=None, pdl=False, seed=0):
+    """linear_gemv with the RMSNorm (and residual addition) in its prologue against the float64 oracle
+    `F.linear(rms_norm(s))` with `s = residual + x` added in dtype, as the model adds its stream; the stream it
+    returns must be exactly that s."""
+    from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, k, generator=gen).to(dtype).to(device)
+    res = torch.randn(1, 1, k, generator=gen).to(dtype).to(device) if with_residual else None
+    g = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
+    out, stream = linear_gemv(x, w, b, config=GemvConfig(*config) if config else None, silu_and_mul=silu_and_mul,
+                              norm_weight=g, eps=1e-6, residual=res, pdl=pdl)
+    s = x if res is None else res + x
+    assert stream.shape == x.shape and stream.dtype == dtype
+    if device == "cuda":
+        assert torch.equal(stream, s)          # the same float32 sum, rounded to nearest-even
+    else:                                      # Triton's interpreter may round the bf16 cast the other way
+        torch.testing.assert_close(stream, s, rtol=2 ** -7, atol=0)
+    sd = s.double()
+    normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
+    ref = F.linear(normed, w.double(), None if b is None else b.double())
+    if silu_and_mul:
+        gate, up = ref.chunk(2, dim=-1)
+        ref = F.silu(gate) * up
+    assert out.shape == ref.shape and out.dtype == dtype
+    scale = ref.abs().max().item()
+    err = (out.double() - ref).abs().max().item()
+    rounds = 3 if silu_and_mul else 1
+    assert err <= rounds * TOL[dtype] * scale, f"max |out - ref| = {err:.3g}, {err / scale:.3g} of the output scale"
+
+
+NORM_CASES = [(False, False, False), (True, True, False), (False, True, True), (True, False, True)]  # bias, res, silu
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [None] + GATED_CONFIGS, ids=str)
+@pytest.mark.parametrize("with_bias,with_residual,silu_and_mul", NORM_CASES, ids=str)
+@pytest.mark.parametrize("k,n", [(1024, 4096), (1024, 6144), (100, 14), (1000, 666)])
+def test_gemv_norm_prologue_cuda(k, n, with_bias, with_residual, silu_and_mul, config, dtype):
+    check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, "cuda", config)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("config", [None] + GATED_CONFIGS, ids=str)
+@pytest.mark.parametrize("with_bias,with_residual,silu_and_mul", NORM_CASES, ids=str)
+@pytest.mark.parametrize("k,n", [(100, 14), (256, 64), (1000, 34)])
+def test_gemv_norm_prologue_interpreter(k, n, with_bias, with_residual, silu_and_mul, config, dtype):
+    pytest.importorskip("triton")
+    check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, "cpu", config)
+
+
+def pdl_missing_here() -> list[str]:
+    from minirt.kernels import pdl_missing
+
+    return pdl_missing(torch.device("cuda")) if CUDA else ["CUDA"]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("config", [None, (2, 128, 4, 4)], ids=["default", "splitk"])
+def test_gemv_pdl_chain_in_cuda_graph(config):
+    """A chain of PDL launches (each GEMV's x is the one before's output, as in a decode step) captured and
+    replayed: every result equals the same chain without PDL, so no kernel read its x before it was written."""
+    if missing := pdl_missing_here():
+        pytest.skip(f"PDL needs {missing}")
+    from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
+
+    cfg = GemvConfig(*config) if config else None
+    gen = torch.Generator().manual_seed(0)
+    ws = [(torch.randn(1024, 1024, generator=gen) / 32).to(torch.bfloat16).cuda() for _ in range(6)]
+    g = torch.ones(1024, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def chain(pdl):
+        h, stream = x, None
+        for i, w in enumerate(ws):
+            if i % 2:
+                h, stream = linear_gemv(h, w, norm_weight=g, residual=stream, pdl=pdl)
+            else:
+                h = linear_gemv(h, w, config=cfg, pdl=pdl)
+        return h, stream
+
+    chain(True)                                            # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, stream = chain(True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref, ref_stream = chain(False)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref) and torch.equal(stream, ref_stream)
+
+
 def test_gemv_argument_errors():
     """Each bad argument is named; the checks run before any kernel, so CPU tensors do."""
     pytest.importorskip("triton")
@@ -139,5 +237,17 @@ def test_gemv_argument_errors():
         linear_gemv(torch.randn(1, 16), torch.randn(7, 16), silu_and_mul=True)
     from minirt.kernels.gemv_triton import GemvConfig
 
-    with pytest.raises(ValueError, match=r"^config: silu_and_mul never splits K"):
+    with pytest.raises(ValueError, match=r"^config: silu_and_mul and norm_weight never split K"):
         linear_gemv(torch.randn(1, 16), w, config=GemvConfig(1, 16, 2), silu_and_mul=True)
+    with pytest.raises(ValueError, match=r"^config: silu_and_mul and norm_weight never split K"):
+        linear_gemv(torch.randn(1, 16), w, config=GemvConfig(1, 16, 2), norm_weight=torch.ones(16))
+    with pytest.raises(ValueError, match=r"^norm_weight: must be a contiguous \[16\]"):
+        linear_gemv(torch.randn(1, 16), w, norm_weight=torch.ones(8))
+    with pytest.raises(ValueError, match=r"^residual: is added in the norm's prologue, so it needs norm_weight"):
+        linear_gemv(torch.randn(1, 16), w, residual=torch.randn(1, 16))
+    with pytest.raises(ValueError, match=r"^residual: must be contiguous with x's shape \(1, 16\)"):
+        linear_gemv(torch.randn(1, 16), w, norm_weight=torch.ones(16), residual=torch.randn(16))
+    with pytest.raises(ValueError, match=r"^norm_weight: must be torch.float32"):
+        linear_gemv(torch.randn(1, 16), w, norm_weight=torch.ones(16, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^pdl: programmatic dependent launch needs a CUDA device \(got cpu\)"):
+        linear_gemv(torch.randn(1, 16), w, pdl=True)

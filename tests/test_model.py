@@ -155,6 +155,21 @@ def test_one_token_forward_with_gemv_equals_transformers(tiny_model_path):
     torch.testing.assert_close(_minirt_logits(model, ids), want, atol=1e-4 * max(1.0, want.abs().max().item()),
                                rtol=1e-4)
     assert len(calls) == 4 * num_layers + 1
+    model.set_norm_in_gemv(True)                                   # both norms in the GEMV kernel's prologue
+    calls.clear()
+    torch.testing.assert_close(_minirt_logits(model, ids), want, atol=1e-4 * max(1.0, want.abs().max().item()),
+                               rtol=1e-4)
+    assert len(calls) == 4 * num_layers + 1
+    from minirt.kernels.rotary_triton import norm_and_rotate_triton
+
+    model.set_rotary_kernel(norm_and_rotate_triton)                # and q/k norm + rotation in one kernel
+    torch.testing.assert_close(_minirt_logits(model, ids), want, atol=1e-4 * max(1.0, want.abs().max().item()),
+                               rtol=1e-4)
+    long_ids = torch.tensor(random_prompts(3, [9]))                # a longer input takes the same rotary kernel
+    torch.testing.assert_close(_minirt_logits(model, long_ids), hf_logits(tiny_model_path, long_ids),
+                               atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4)
+    model.set_rotary_kernel(None)
+    model.set_norm_in_gemv(False)
     model.set_gemv(None)
     calls.clear()
     _minirt_logits(model, ids)
@@ -182,6 +197,32 @@ def test_linear_sends_only_one_row_inputs_to_gemv(tiny_model_path):
     calls.clear()
     _minirt_logits(model, two)
     assert not calls
+    # Chapter 07's norm_in_gemv: each layer's two norms go into the prologue of qkv's and gate_up's GEMV, with
+    # the residual addition (none before the first layer's, where the stream is the embedding).
+    model.set_norm_in_gemv(True)
+    assert torch.allclose(_minirt_logits(model, one), plain, atol=1e-5)
+    assert len(calls) == 4 * num_layers + 1
+    normed = [kw for _, kw in calls if kw.get("norm_weight") is not None]
+    assert len(normed) == 2 * num_layers
+    assert sum(kw.get("residual") is not None for kw in normed) == 2 * num_layers - 1
+    calls.clear()
+    _minirt_logits(model, two)                                     # longer inputs keep the norms' own kernels
+    assert not calls
+
+
+def test_norm_in_gemv_needs_merged_projections_and_a_gemv(tiny_model_path):
+    from minirt.model.layers import gemv_reference
+
+    model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"^norm_in_gemv: needs merged projections and a gemv kernel"):
+        model.set_norm_in_gemv(True)
+    model.set_gemv(gemv_reference)
+    with pytest.raises(ValueError, match=r"^norm_in_gemv: needs merged projections and a gemv kernel"):
+        model.set_norm_in_gemv(True)
+    assert not model.model.layers[0].norm_in_gemv                  # refused: nothing changed
+    model.merge_projections()
+    model.set_norm_in_gemv(True)
+    assert all(layer.norm_in_gemv for layer in model.model.layers)
 
 
 def test_forward_without_layers_keeps_the_batch_dimension():

@@ -126,6 +126,32 @@ def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
+def test_triton_kernels_with_pdl_equal_without(decode_only):
+    """Programmatic dependent launch changes when a kernel may start, never what it computes: the K/V write,
+    attention and the split-KV combine launched with PDL, one after another, give the same bits."""
+    from minirt.kernels import pdl_missing
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, store_kv_triton
+
+    if missing := pdl_missing(torch.device("cuda")):
+        pytest.skip(f"PDL needs {missing}")
+    q, k_cache, v_cache, meta, ks, vs, qs = build_case(7, 16, 16, 8, 128, torch.bfloat16, "cuda", num_seqs=3)
+    if decode_only:
+        meta.query_start_loc, meta.max_query_len = torch.arange(4, device="cuda"), 1
+        q = torch.cat([x[-1:] for x in qs])
+    outs = []
+    for pdl in (False, True):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        torch.manual_seed(0)
+        k_new, v_new = torch.randn_like(q[:, :8]), torch.randn_like(q[:, :8])
+        store_kv_triton(kc, vc, k_new, v_new, meta.slot_mapping[:q.shape[0]], pdl=pdl)
+        outs.append((paged_attention_triton(q, kc, vc, meta, pdl=pdl), kc, vc))
+    torch.cuda.synchronize()
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
 def test_engine_selects_triton_on_cuda_and_stays_equal(tiny_models):
     """The whole engine with the Triton kernels equals the torch reference token for token (float32)."""
     import minirt
@@ -140,8 +166,9 @@ def test_engine_selects_triton_on_cuda_and_stays_equal(tiny_models):
                          max_prefill_chunk=5, max_num_batched_tokens=24, attention_backend=backend)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
         runner = llm.engine.model_runner
-        assert (runner.attention_kernel is paged_attention_triton) == (backend == "triton")
-        assert runner.store is (store_kv_triton if backend == "triton" else store_kv)
+        kernel, store = (getattr(f, "func", f) for f in (runner.attention_kernel, runner.store))   # pdl: partials
+        assert (kernel is paged_attention_triton) == (backend == "triton")
+        assert store is (store_kv_triton if backend == "triton" else store_kv)
     assert outs["torch"] == outs["triton"]
 
 

@@ -4,6 +4,7 @@ stays the reference they are tested against."""
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 
 import torch
@@ -21,6 +22,22 @@ def triton_missing(device: torch.device, head_dim: int | None = None) -> list[st
         needs.append((f"a power-of-two head_dim >= 16 (got {head_dim})",
                       head_dim >= 16 and head_dim & (head_dim - 1) == 0))
     return [need for need, ok in needs if not ok]
+
+
+def pdl_missing(device: torch.device) -> list[str]:
+    """What programmatic dependent launch (PDL) needs and does not have here (empty: it can run): a CUDA
+    device of compute capability 9.0 or later (Hopper), and a Triton with `tl.extra.cuda.gdc_wait`."""
+    missing = triton_missing(device)
+    if missing:
+        return missing
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 9:
+        missing.append(f"compute capability 9.0 or later (got {major}.{minor})")
+    if importlib.util.find_spec("triton.language.extra.cuda") is None or not hasattr(
+            importlib.import_module("triton.language.extra.cuda"), "gdc_wait"):
+        missing.append("a Triton with tl.extra.cuda.gdc_wait (3.3 or later)")
+    return missing
 
 
 @functools.lru_cache(maxsize=None)

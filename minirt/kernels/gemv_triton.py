@@ -48,10 +48,12 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
+def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 SILU_AND_MUL: tl.constexpr):
+                 SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     split = tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()             # the next kernel may start (and load its weights)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows.to(tl.int64)[:, None] * K          # int64: N * K can pass 2**31 (a large vocabulary)
@@ -61,17 +63,41 @@ def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
     # step waits on a reduction before issuing its next loads.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)     # SILU_AND_MUL only (unused, removed otherwise)
+    sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)              # NORM only: the norm's sum of squares, per lane
     for k in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):    # split-K: this program's share of the chunks
         k_ok = k + cols < K
-        # All loads of the step are issued before any arithmetic waits on one of them.
-        x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0)
+        # All loads of the step are issued before any arithmetic waits on one of them; the weights first,
+        # since no kernel writes them: with PDL they stream in while the kernel before finishes.
         w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if SILU_AND_MUL:
             u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        if PDL:
+            tl.extra.cuda.gdc_wait()                      # x and the residual are the kernel before's output
+        x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(Res + k + cols, mask=k_ok, other=0.0)
+        if NORM:
+            g = tl.load(NormW + k + cols, mask=k_ok, other=0.0)
+        if HAS_RESIDUAL:
+            # The residual addition, rounded to the stream's dtype as in `add_rms_norm`; one program keeps it.
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            if tl.program_id(0) == 0:
+                tl.store(Stream + k + cols, x, mask=k_ok)
+        xf = x.to(tl.float32)
+        if NORM:
+            # rms_norm(x) * g = rstd * (g * x): the scalar rstd factors out of the dot products, so it is
+            # applied after the loop, from the sum of squares gathered on the way.
+            sum_sq += xf * xf
+            xf = xf * g.to(tl.float32)
+        acc += w.to(tl.float32) * xf[None, :]
         if SILU_AND_MUL:
-            acc_up += u.to(tl.float32) * x.to(tl.float32)[None, :]
+            acc_up += u.to(tl.float32) * xf[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_wait()      # every program waits (a no-op after the loop's): completion stays in order
     y = tl.sum(acc, axis=1)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+        y = y * rstd
     if SPLIT_K == 1:
         if HAS_BIAS:
             y += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)
@@ -79,6 +105,8 @@ def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
             # As the compiled path (`fused_ops`): gate and up rounded to the output dtype, then silu(gate) * up
             # in float32, rounded once (eager torch also rounds silu(gate) before the product).
             up = tl.sum(acc_up, axis=1)
+            if NORM:
+                up = up * rstd
             if HAS_BIAS:
                 up += tl.load(Bias + N + rows, mask=row_ok, other=0.0).to(tl.float32)
             gate = y.to(Out.dtype.element_ty).to(tl.float32)
@@ -90,7 +118,11 @@ def _gemv_kernel(X, W, Bias, Out, Part, N, K, stride_x,
 
 
 @triton.jit
-def _sum_splits_kernel(Part, Bias, Out, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+def _sum_splits_kernel(Part, Bias, Out, N, HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                       PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < N
     s = tl.arange(0, SPLIT_K)
@@ -115,7 +147,8 @@ def choose_config(n: int, k: int, sm_count: int, split_k: bool = True) -> GemvCo
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                config: GemvConfig | None = None, silu_and_mul: bool = False) -> torch.Tensor:
+                config: GemvConfig | None = None, silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None,
+                eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False):
     """`torch.nn.functional.linear(x, weight, bias)` for one row: x `[..., K]` with x.numel() == K, weight
     `[N, K]` contiguous, bias `[N]` or None -> `[..., N]` in x.dtype, accumulated in float32.
 
@@ -123,6 +156,17 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     and the result is `silu(gate) * up` `[..., I]`, computed in the kernel's epilogue: one kernel instead of a
     GEMV and an elementwise one, and the `[2 * I]` intermediate never goes to memory (epilogue fusion; the
     SwiGLU GEMM of TensorRT-LLM's `gemm_swiglu` plugin). Its programs never split K.
+    norm_weight `[K]`: the RMSNorm before the projection runs in the kernel's prologue (prologue fusion): the
+    product is taken with `rms_norm(s, norm_weight, eps)`, where the stream `s = residual + x` (rounded to
+    x.dtype, as `minirt.model.layers.add_rms_norm` does) or `x` when residual is None, and the call returns
+    `(out, s)`. Every program reads all of x anyway; it also sums the squares and scales its dot products by
+    `rsqrt(mean(s**2) + eps)` at the end (`rms_norm(s) * g = rstd * (g * s)`), so the norm costs no kernel of its
+    own. Rounding differs from the unfused norm only in that the normalized row is never rounded to x.dtype.
+    Its programs never split K. residual `[..., K]` (x's shape, contiguous) needs norm_weight.
+    pdl: launch with programmatic dependent launch (Hopper and later; CUDA's PDL, as in CUTLASS's example 63,
+    "GEMM with weight prefetch"): the kernel may start while the kernel before it finishes; it issues its first
+    weight loads, then waits (`griddepcontrol.wait`) before reading x, so loading weights overlaps the previous
+    kernel's tail. Raises ValueError if `minirt.kernels.pdl_missing(x.device)` lists anything.
     config: block sizes (None: `choose_config`). No host syncs: safe inside a CUDA graph capture.
     Raises ValueError naming the argument for shapes, strides, dtypes or devices that do not fit."""
     if x.dim() == 0 or math.prod(x.shape[:-1]) != 1:
@@ -134,28 +178,50 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     n, k = weight.shape
     if bias is not None and (tuple(bias.shape) != (n,) or not bias.is_contiguous()):
         raise ValueError(f"bias: must be a contiguous [{n}], got shape {tuple(bias.shape)}, strides {tuple(bias.stride())}")
-    for name, t in (("weight", weight), ("bias", bias)):
+    if norm_weight is not None and (tuple(norm_weight.shape) != (k,) or not norm_weight.is_contiguous()):
+        raise ValueError(f"norm_weight: must be a contiguous [{k}], got shape {tuple(norm_weight.shape)}")
+    if residual is not None:
+        if norm_weight is None:
+            raise ValueError("residual: is added in the norm's prologue, so it needs norm_weight")
+        if residual.shape != x.shape or not residual.is_contiguous():
+            raise ValueError(f"residual: must be contiguous with x's shape {tuple(x.shape)}, got shape "
+                             f"{tuple(residual.shape)}, strides {tuple(residual.stride())}")
+    for name, t in (("weight", weight), ("bias", bias), ("norm_weight", norm_weight), ("residual", residual)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name}: must be {x.dtype} on {x.device} like x, got {t.dtype} on {t.device}")
     if silu_and_mul:
         if n % 2:
             raise ValueError(f"weight: silu_and_mul needs gate and up rows, an even count, got {n}")
-        if config is not None and config.split_k > 1:
-            raise ValueError(f"config: silu_and_mul never splits K, got split_k={config.split_k}")
         n //= 2
+    whole_k = silu_and_mul or norm_weight is not None
+    if whole_k and config is not None and config.split_k > 1:
+        raise ValueError(f"config: silu_and_mul and norm_weight never split K, got split_k={config.split_k}")
+    if pdl:
+        from minirt.kernels import pdl_missing
+
+        if missing := pdl_missing(x.device):
+            raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
 
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    stream = x if residual is None else torch.empty_like(x)
     if n == 0:
-        return out
-    cfg = config or choose_config(n, k, num_sms(x.device), split_k=not silu_and_mul)
+        if residual is not None:
+            torch.add(residual, x, out=stream)
+        return out if norm_weight is None else (out, stream)
+    cfg = config or choose_config(n, k, num_sms(x.device), split_k=not whole_k)
     xv = x.reshape(k)                                      # a view: one row has a single stride along K
     has_bias = bias is not None
     part = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1 else out
+    launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
-        xv, weight, bias if has_bias else out, out, part, n, k, xv.stride(0),
+        xv, weight, bias if has_bias else out, out, part,
+        residual if residual is not None else out, norm_weight if norm_weight is not None else out, stream,
+        n, k, xv.stride(0), eps,
         HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
-        SILU_AND_MUL=silu_and_mul, num_warps=cfg.num_warps)
+        SILU_AND_MUL=silu_and_mul, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
+        num_warps=cfg.num_warps, **launch)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, bias if has_bias else out, out, n,
-                                                    HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK=1024)
-    return out
+                                                    HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK=1024, PDL=pdl,
+                                                    **launch)
+    return out if norm_weight is None else (out, stream)

@@ -30,7 +30,11 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:     # programmatic dependent launch: every program waits for the kernel before, before any load
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     tile = tl.program_id(2) // NUM_SPLITS
@@ -94,7 +98,10 @@ def _paged_attention_kernel(
 
 @triton.jit
 def _combine_splits_kernel(Out, PartAcc, PartM, PartL, stride_ot, stride_oh,
-                           HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                           HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     """out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s (an empty split has m_s = -inf)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
@@ -120,12 +127,16 @@ def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: t
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: PagedAttentionMetadata, num_splits: int | None = None) -> torch.Tensor:
+                           meta: PagedAttentionMetadata, num_splits: int | None = None, pdl: bool = False
+                           ) -> torch.Tensor:
     """q `[num_tokens, H, D]`, k/v cache `[num_blocks, block_size, Hkv, D]` -> `[num_tokens, H, D]`.
 
     num_splits: programs per (sequence, KV head) that share its keys (a power of two; split-KV, Dao et al.
     2023, "Flash-Decoding for long-context inference"; FlashAttention's `num_splits`). None chooses with
     `choose_num_splits`: more than 1 only for small all-decode batches, which otherwise leave most SMs idle.
+    pdl: launch both kernels with programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`):
+    each may start while the kernel before it finishes and waits for it before its first load, which hides the
+    launch. Needs `minirt.kernels.pdl_missing(q.device)` empty; not checked here.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -144,22 +155,26 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     grid = (meta.context_lens.shape[0], num_kv_heads,
             triton.cdiv(meta.max_query_len, tokens_per_tile) * num_splits)
     block_tables = meta.block_tables.contiguous()
+    launch = {"launch_pdl": True} if pdl else {}
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_acc, part_m, part_l, block_tables, meta.context_lens, meta.query_start_loc,
         head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_N=64,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32)
+        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl, **launch)
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
-                                                        HEAD_DIM=head_dim, NUM_SPLITS=num_splits)
+                                                        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, **launch)
     return out
 
 
 @triton.jit
 def _store_kv_kernel(K, V, KCache, VCache, slot_mapping, stride_kt, stride_vt, stride_slot,
-                     ROW: tl.constexpr, BLOCK: tl.constexpr):
+                     ROW: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -169,7 +184,7 @@ def _store_kv_kernel(K, V, KCache, VCache, slot_mapping, stride_kt, stride_vt, s
 
 
 def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    slot_mapping: torch.Tensor) -> None:
+                    slot_mapping: torch.Tensor, pdl: bool = False) -> None:
     """`minirt.attention.store_kv` as one kernel for keys and values: one program per token copies its
     `Hkv * D` keys and values into its slot (vLLM's `reshape_and_cache_flash`). Two indexed assignments in
     torch are two launches, each slower than this one.
@@ -178,7 +193,7 @@ def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     (same shape), each token's `Hkv * D` values contiguous (rows may be strided, as slices of a merged q/k/v
     projection are); slot_mapping `[num_tokens]` contiguous. Raises ValueError naming the argument otherwise.
     Slots are not range-checked (that would need a device sync): each must be in `[0, num_blocks * block_size)`,
-    as the block pool hands them out.
+    as the block pool hands them out. pdl: as in `paged_attention_triton`.
     """
     num_tokens, num_kv_heads, head_dim = k.shape
     row = num_kv_heads * head_dim
@@ -200,4 +215,5 @@ def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     if num_tokens == 0:
         return
     _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                    k_cache.stride(1), ROW=row, BLOCK=triton.next_power_of_2(row))
+                                    k_cache.stride(1), ROW=row, BLOCK=triton.next_power_of_2(row), PDL=pdl,
+                                    **({"launch_pdl": True} if pdl else {}))

@@ -30,6 +30,7 @@ AttentionBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tor
 
 class DecoderAttention(nn.Module):
     fuse = False            # True: q/k norm and rotation run compiled (`minirt.model.layers.fused`)
+    rotary_kernel = None    # or a function with `norm_and_rotate`'s contract, used instead (chapter 07)
 
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
@@ -62,18 +63,25 @@ class DecoderAttention(nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.project_qkv(x)
+        return self.attend(*self.project_qkv(x), cos, sin, attn)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attn: AttentionBackend) -> torch.Tensor:
+        """Everything after the q/k/v projection: q/k norm, rotation, attention, o_proj. q/k/v `[B, T, heads * D]`."""
+        B, T, _ = q.shape
         q = q.view(B, T, self.num_heads, self.head_dim)
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         norm_weights = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        q, k = (fused(norm_and_rotate) if self.fuse else norm_and_rotate)(q, k, cos, sin, *norm_weights)
+        rotate = self.rotary_kernel or (fused(norm_and_rotate) if self.fuse else norm_and_rotate)
+        q, k = rotate(q, k, cos, sin, *norm_weights)
         out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
 class DecoderLayer(nn.Module):
+    norm_in_gemv = False    # True: one-row inputs take `forward_one_row` (chapter 07; see `DecoderModel.set_norm_in_gemv`)
+
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -89,6 +97,8 @@ class DecoderLayer(nn.Module):
         Each residual addition happens inside the next norm (`RMSNorm.forward(x, residual)`), vLLM's layout:
         the same sums as `x = x + attn(norm(x)); x = x + mlp(norm(x))`, in fewer passes over memory.
         """
+        if self.norm_in_gemv and x.shape[:-1].numel() == 1:
+            return self.forward_one_row(x, residual, cos, sin, attn)
         if residual is None:
             x, residual = self.input_layernorm(x), x
         else:
@@ -96,6 +106,20 @@ class DecoderLayer(nn.Module):
         x = self.self_attn(x, cos, sin, attn)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+    def forward_one_row(self, x, residual, cos, sin, attn):
+        """`forward` for one token (a batch-1 decode step) with each norm, and the residual addition before it,
+        in the prologue of the GEMV that follows it: the merged q/k/v projection and the merged gate/up (with
+        SiLU-and-multiply in its epilogue). Same arguments and sums; two kernels fewer per layer. Needs merged
+        projections and a `gemv` hook with `gemv_reference`'s norm prologue (`minirt.kernels.gemv_triton`).
+        """
+        norm, qkv = self.input_layernorm, self.self_attn.qkv_proj
+        out, residual = qkv.gemv(x, qkv.weight, qkv.bias, norm_weight=norm.weight, eps=norm.eps, residual=residual)
+        x = self.self_attn.attend(*out.split(self.self_attn.qkv_sizes, dim=-1), cos, sin, attn)
+        norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+        act, residual = gate_up.gemv(x, gate_up.weight, gate_up.bias, silu_and_mul=True,
+                                     norm_weight=norm.weight, eps=norm.eps, residual=residual)
+        return self.mlp.down_proj(act), residual
 
 
 class DecoderBody(nn.Module):
@@ -169,6 +193,23 @@ class DecoderModel(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.gemv = gemv
+
+    def set_rotary_kernel(self, kernel) -> None:
+        """Run every layer's q/k norm and rotation with `kernel` (a function with
+        `minirt.model.layers.norm_and_rotate`'s contract, e.g. `minirt.kernels.rotary_triton.norm_and_rotate_triton`)
+        or, with None, as `norm_and_rotate` (compiled when `set_fused_ops(True)`)."""
+        for layer in self.model.layers:
+            layer.self_attn.rotary_kernel = kernel
+
+    def set_norm_in_gemv(self, enabled: bool) -> None:
+        """Run each layer's two norms in the prologue of the GEMV after them when a step has one token
+        (`DecoderLayer.forward_one_row`), or as their own kernels (False). Raises ValueError if enabled without
+        merged projections (`merge_projections`) and a `gemv` hook (`set_gemv`), which the prologue lives in."""
+        if enabled and any(layer.self_attn.qkv_proj is None or layer.self_attn.qkv_proj.gemv is None
+                           for layer in self.model.layers):
+            raise ValueError("norm_in_gemv: needs merged projections and a gemv kernel (merge_projections, set_gemv)")
+        for layer in self.model.layers:
+            layer.norm_in_gemv = enabled
 
     def merge_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up in every layer (see `minirt.model.layers.merge_linears`).

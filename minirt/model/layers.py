@@ -145,10 +145,16 @@ def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-                   silu_and_mul: bool = False) -> torch.Tensor:
+                   silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                   residual: torch.Tensor | None = None):
     """The contract of a `Linear.gemv` kernel, in plain torch: `F.linear(x, weight, bias)`, or with
     `silu_and_mul` (weight a merged gate/up projection `[2 * I, K]`) `silu(gate) * up` `[..., I]`.
+    With `norm_weight` `[K]` the RMSNorm before the projection comes first, on the stream `s = residual + x`
+    (`x` when residual is None), and the result is `(out, s)`: `DecoderLayer.forward_one_row`'s prologue.
     `minirt.kernels.gemv_triton.linear_gemv` does the same for one row in one kernel."""
+    if norm_weight is not None:
+        stream = x if residual is None else residual + x
+        return gemv_reference(rms_norm(stream, norm_weight, eps), weight, bias, silu_and_mul=silu_and_mul), stream
     y = F.linear(x, weight, bias)
     if not silu_and_mul:
         return y
@@ -160,8 +166,9 @@ class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same checkpoint names) whose one-row inputs can go to a matrix-vector
     kernel instead of cuBLAS: `gemv` is None (always `F.linear`) or a function with `gemv_reference`'s
     contract for one row, such as `minirt.kernels.gemv_triton.linear_gemv` (chapter 07, `EngineConfig.gemv`).
-    That contract includes `silu_and_mul=True`, which `GatedMLP` passes for its merged gate/up: a plain
-    `F.linear` no longer fits as a hook. `merge_linears` keeps the setting of the first layer it merges.
+    That contract includes `silu_and_mul=True`, which `GatedMLP` passes for its merged gate/up, and the norm
+    prologue (`norm_weight`, `eps`, `residual`) that `DecoderLayer.forward_one_row` asks for: a plain `F.linear`
+    no longer fits as a hook. `merge_linears` keeps the setting of the first layer it merges.
     """
 
     gemv = None

@@ -1,0 +1,102 @@
+"""Qwen3's q/k RMSNorm and the rotary embedding of q and k in one Triton kernel.
+
+`minirt.model.layers.norm_and_rotate` is four elementwise passes; compiled with `torch.compile` (`fused_ops`)
+they become two kernels, one for q and one for k, because their head counts differ. Here one launch covers both:
+one program per (token, head), heads 0 .. H-1 of q then 0 .. Hkv-1 of k. A program loads its head (D values)
+and, for the rotation, each channel's partner in the other half (`rotate_half`), normalizes both by the head's
+root mean square, and writes `x * cos + rotate_half(x) * sin`, computed in float32 and rounded after each op
+as eager torch rounds. At batch 1 a decode step runs this once per layer, so two launches become one (vLLM's
+fused `rotary_embedding` custom op does the rotation of q and k in one kernel the same way).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """float32 x rounded to DT and back, as eager torch stores each op's result. bfloat16 with integer ops
+    (round to nearest, ties to even; finite values): a plain `.to(bf16).to(float32)` pair may be folded away by
+    the compiler, which would round once at the end instead."""
+    if DT == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, stride_qt, stride_kt, stride_ct,
+                        NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                        ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+    if PDL:     # programmatic dependent launch: wait for the projection that wrote q and k
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    half: tl.constexpr = ROT // 2
+    rotated = d < ROT
+    partner = tl.where(d < half, d + half, d - half)                 # rotate_half's source channel
+    if head < NUM_HEADS:
+        src = Q + token * stride_qt + head * HEAD_DIM
+        dst = QOut + (token * NUM_HEADS + head) * HEAD_DIM
+        w_ptr = QW
+    else:
+        src = K + token * stride_kt + (head - NUM_HEADS) * HEAD_DIM
+        dst = KOut + (token * NUM_KV_HEADS + head - NUM_HEADS) * HEAD_DIM
+        w_ptr = KW
+    # Rounded to the output dtype after each op, as the eager reference and transformers round, so that a
+    # bf16 model gives transformers' values (float32: every cast is a no-op).
+    dt = QOut.dtype.element_ty
+    x = tl.load(src + d).to(tl.float32)
+    xp = tl.load(src + partner, mask=rotated, other=0.0).to(tl.float32)
+    if NORM:                                                          # rms_norm: (x * rstd) rounded, times w
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        x = _round(tl.load(w_ptr + d).to(tl.float32) * _round(x * rstd, dt), dt)
+        xp = _round(tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32) * _round(xp * rstd, dt), dt)
+    c = tl.load(Cos + token * stride_ct + d, mask=rotated, other=1.0).to(tl.float32)
+    s = tl.load(Sin + token * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
+    rotated_half = tl.where(d < half, -xp, xp)                        # rotate_half(x): exact
+    out = tl.where(rotated, _round(_round(x * c, dt) + _round(rotated_half * s, dt), dt), x)
+    tl.store(dst + d, out.to(QOut.dtype.element_ty))
+
+
+def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
+                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`minirt.model.layers.norm_and_rotate` in one kernel: q `[B, T, H, D]`, k `[B, T, Hkv, D]` (each token's
+    heads contiguous; tokens may be strided, as slices of a merged q/k/v projection are), cos/sin `[B, T, R]`
+    with R <= D even, q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k.
+    Computes in float32, rounding to q's dtype after each op as the eager reference does. pdl: launch with
+    programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`). Raises ValueError naming the
+    argument for layouts it cannot read."""
+    B, T, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
+    rot = cos.shape[-1]
+    if k.shape[:2] != (B, T) or k.shape[3] != head_dim:
+        raise ValueError(f"k: must be [{B}, {T}, Hkv, {head_dim}] like q, got {tuple(k.shape)}")
+    if head_dim & (head_dim - 1) or rot % 2 or rot > head_dim:
+        raise ValueError(f"cos: needs a power-of-two head_dim and an even rotary dim <= it, got {head_dim}, {rot}")
+    if cos.shape != (B, T, rot) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
+        raise ValueError(f"cos/sin: must be contiguous [{B}, {T}, {rot}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    for name, x in (("q", q), ("k", k)):
+        if x.stride(3) != 1 or x.stride(2) != head_dim or (B > 1 and x.stride(0) != T * x.stride(1)):
+            raise ValueError(f"{name}: each token's heads must be contiguous and tokens evenly strided, "
+                             f"got strides {tuple(x.stride())}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("q_weight/k_weight: give both or neither")
+    q_out = torch.empty(B, T, num_heads, head_dim, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(B, T, num_kv_heads, head_dim, dtype=k.dtype, device=k.device)
+    if B * T == 0:
+        return q_out, k_out
+    norm = q_weight is not None
+    _norm_rotate_kernel[(B * T, num_heads + num_kv_heads)](
+        q, k, q_out, k_out, cos, sin, q_weight if norm else q, k_weight if norm else k, eps,
+        q.stride(1), k.stride(1), rot, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        ROT=rot, NORM=norm, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+    return q_out, k_out
