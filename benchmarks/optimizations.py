@@ -33,6 +33,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import minirt
 from minirt.bench import bench, build_random_qwen3, environment, free_memory, make_prompts, write_report
+from minirt.kernels import pdl_missing
 from minirt.metrics import format_table
 
 #: (label, minirt.LLM settings): each step adds one optimization to the one before.
@@ -139,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device("cuda")
     chosen = [STEPS[int(i)] for i in args.steps.split(",")] if args.steps else STEPS
+    if missing := pdl_missing(device):          # before Hopper: the PDL step cannot run; the others still do
+        skipped = [label for label, kwargs in chosen if kwargs.get("pdl")]
+        chosen = [(label, kwargs) for label, kwargs in chosen if not kwargs.get("pdl")]
+        for label in skipped:
+            print(f"skipping step {label!r}: programmatic dependent launch needs {' and '.join(missing)}")
     dev, versions = environment(device)
     report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds")}
     with tempfile.TemporaryDirectory() as tmp:

@@ -320,7 +320,7 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             "gemv": engine.model.lm_head.gemv is not None, "num_scheduler_steps": engine.num_scheduler_steps,
             "norm_in_gemv": engine.model.model.layers[0].norm_in_gemv,
             "rotary_kernel": engine.model.model.layers[0].self_attn.rotary_kernel is not None,
-            "pdl": bool(getattr(kernel, "keywords", {}).get("pdl", False)),
+            "pdl": engine.pdl,
             "num_kv_blocks": engine.config.num_kv_blocks,
             "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size

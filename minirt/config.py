@@ -41,7 +41,7 @@ class EngineConfig:
     `minirt.model.decoder.DecoderLayer.forward_one_row`); needs gemv and merge_projections. None = where both are on.
     rotary_kernel: the q/k norm and the rotation of q and k in one Triton kernel instead of the two that
     `torch.compile` makes of them (see `minirt.kernels.rotary_triton`). None = with CUDA graphs.
-    pdl: launch the Triton kernels (GEMV, paged attention, K/V write) with programmatic dependent launch, so each
+    pdl: launch the Triton kernels (GEMV, paged attention, K/V write, rotary) with programmatic dependent launch, so each
     starts while the one before finishes and the GEMV streams its first weights meanwhile (see
     `minirt.kernels.gemv_triton.linear_gemv`); needs a Hopper or later GPU. None = with CUDA graphs where it can run.
     """

@@ -120,6 +120,9 @@ class Engine:
             raise ValueError(f"rotary_kernel: the Triton kernel needs {' and '.join(missing)}")
         if pdl and (missing := pdl_missing(device)):
             raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
+        if norm_in_gemv and gemv is None and (device.type != "cuda" or enforce_eager):
+            raise ValueError("norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
+                             f"(device {device.type}, enforce_eager={enforce_eager}); pass gemv=True where it can run")
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config
@@ -159,7 +162,11 @@ class Engine:
         if use_graphs if rotary_kernel is None else rotary_kernel:
             from minirt.kernels.rotary_triton import norm_and_rotate_triton
 
+            if missing := triton_missing(self.device, head_dim_of(mc)):
+                raise ValueError(f"rotary_kernel: the Triton kernel needs {' and '.join(missing)}")
             self.model.set_rotary_kernel(functools.partial(norm_and_rotate_triton, pdl=use_pdl))
+        #: Whether the Triton kernels launch with programmatic dependent launch (`EngineConfig.pdl`, resolved).
+        self.pdl = bool(use_pdl)
         graphs = None
         if use_graphs:
             graphs = DecodeGraphs(self.model, kv_cache, kernel, max_num_seqs, cdiv(max_model_len, block_size),

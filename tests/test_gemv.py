@@ -115,20 +115,21 @@ def test_gemv_silu_and_mul_interpreter(k, n, config, dtype):
     check_linear_gemv(k, n, True, (1,), dtype, "cpu", config, silu_and_mul=True)
 
 
-def check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, device, config=None, pdl=False, seed=0):
+def check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, device, config=None, pdl=False, seed=0,
+                        eps=1e-6, scale=1.0):
     """linear_gemv with the RMSNorm (and residual addition) in its prologue against the float64 oracle
     `F.linear(rms_norm(s))` with `s = residual + x` added in dtype, as the model adds its stream; the stream it
-    returns must be exactly that s."""
+    returns must be exactly that s. `scale` multiplies x and the residual: small inputs make eps matter."""
     from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
 
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 1, k, generator=gen).to(dtype).to(device)
-    res = torch.randn(1, 1, k, generator=gen).to(dtype).to(device) if with_residual else None
+    x = (scale * torch.randn(1, 1, k, generator=gen)).to(dtype).to(device)
+    res = (scale * torch.randn(1, 1, k, generator=gen)).to(dtype).to(device) if with_residual else None
     g = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype).to(device)
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
     b = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
     out, stream = linear_gemv(x, w, b, config=GemvConfig(*config) if config else None, silu_and_mul=silu_and_mul,
-                              norm_weight=g, eps=1e-6, residual=res, pdl=pdl)
+                              norm_weight=g, eps=eps, residual=res, pdl=pdl)
     s = x if res is None else res + x
     assert stream.shape == x.shape and stream.dtype == dtype
     if device == "cuda":
@@ -136,7 +137,7 @@ def check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, dev
     else:                                      # Triton's interpreter may round the bf16 cast the other way
         torch.testing.assert_close(stream, s, rtol=2 ** -7, atol=0)
     sd = s.double()
-    normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + 1e-6) * g.double()
+    normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
     ref = F.linear(normed, w.double(), None if b is None else b.double())
     if silu_and_mul:
         gate, up = ref.chunk(2, dim=-1)
@@ -168,6 +169,15 @@ def test_gemv_norm_prologue_cuda(k, n, with_bias, with_residual, silu_and_mul, c
 def test_gemv_norm_prologue_interpreter(k, n, with_bias, with_residual, silu_and_mul, config, dtype):
     pytest.importorskip("triton")
     check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, "cpu", config)
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("eps,scale", [(0.5, 1.0), (1e-2, 0.05)], ids=["eps0.5", "small-inputs"])
+def test_gemv_norm_prologue_uses_eps(eps, scale):
+    """eps inside the square root, as given: inputs whose mean square is comparable to eps tell it apart."""
+    pytest.importorskip("triton")
+    check_norm_prologue(100, 14, True, True, False, torch.float32, "cuda" if CUDA else "cpu", eps=eps, scale=scale)
+    check_norm_prologue(100, 14, False, True, True, torch.float32, "cuda" if CUDA else "cpu", eps=eps, scale=scale)
 
 
 def pdl_missing_here() -> list[str]:

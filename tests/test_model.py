@@ -183,7 +183,12 @@ def test_linear_sends_only_one_row_inputs_to_gemv(tiny_model_path):
     not change."""
     from minirt.model.layers import gemv_reference
 
+    from minirt.model.layers import RMSNorm
+
     model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
+    for module in model.modules():     # an eps that matters (the stream's mean square is ~1e-3): a hook must use it
+        if isinstance(module, RMSNorm):
+            module.eps = 0.05
     one, two = torch.tensor(random_prompts(5, [1])), torch.tensor(random_prompts(5, [2]))
     plain = _minirt_logits(model, one)
     calls = []
@@ -208,6 +213,9 @@ def test_linear_sends_only_one_row_inputs_to_gemv(tiny_model_path):
     calls.clear()
     _minirt_logits(model, two)                                     # longer inputs keep the norms' own kernels
     assert not calls
+    model.set_gemv(None)                                           # the prologue lives in the GEMV: off with it
+    assert not any(layer.norm_in_gemv for layer in model.model.layers)
+    assert torch.allclose(_minirt_logits(model, one), plain, atol=1e-5)
 
 
 def test_norm_in_gemv_needs_merged_projections_and_a_gemv(tiny_model_path):

@@ -17,22 +17,23 @@ DEVICES = (["cuda"] if CUDA else []) + (["cpu"] if INTERPRET else [])
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
-def check(B, T, num_heads, num_kv_heads, head_dim, rot, norm, dtype, device, merged=True, pdl=False, seed=0):
+def check(B, T, num_heads, num_kv_heads, head_dim, rot, norm, dtype, device, merged=True, pdl=False, seed=0, eps=1e-6,
+          scale=1.0):
     from minirt.kernels.rotary_triton import norm_and_rotate_triton
 
     gen = torch.Generator().manual_seed(seed)
     sizes = [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim]
     if merged:     # q and k as the engine passes them: slices of one q/k/v projection, so tokens are strided
-        qkv = torch.randn(B, T, sum(sizes), generator=gen).to(dtype).to(device)
+        qkv = (scale * torch.randn(B, T, sum(sizes), generator=gen)).to(dtype).to(device)
         q, k, _ = qkv.split(sizes, dim=-1)
     else:
-        q, k = (torch.randn(B, T, n, generator=gen).to(dtype).to(device) for n in sizes[:2])
+        q, k = ((scale * torch.randn(B, T, n, generator=gen)).to(dtype).to(device) for n in sizes[:2])
     q, k = q.view(B, T, num_heads, head_dim), k.view(B, T, num_kv_heads, head_dim)
     angles = torch.rand(B, T, rot // 2, generator=gen) * 50
     cos = torch.cat([angles.cos()] * 2, -1).to(dtype).to(device)
     sin = torch.cat([angles.sin()] * 2, -1).to(dtype).to(device)
     qw, kw = ((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype).to(device) for _ in range(2))
-    weights = (qw, kw, 1e-6) if norm else (None, None, 0.0)
+    weights = (qw, kw, eps) if norm else (None, None, 0.0)
     got = norm_and_rotate_triton(q, k, cos, sin, *weights, pdl=pdl)
     want = norm_and_rotate(q.double(), k.double(), cos.double(), sin.double(),
                            *(w.double() if isinstance(w, torch.Tensor) else w for w in weights))
@@ -75,13 +76,45 @@ def test_norm_and_rotate_triton_rounds_as_eager_bf16(device):
         torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6)
 
 
+@pytest.mark.skipif(not DEVICES, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("eps,scale", [(0.5, 1.0), (1e-2, 0.05)], ids=["eps0.5", "small-inputs"])
+def test_norm_and_rotate_triton_uses_eps(eps, scale):
+    pytest.importorskip("triton")
+    check(1, 2, 4, 2, 32, 32, True, torch.float32, DEVICES[0], eps=eps, scale=scale)
+
+
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 def test_norm_and_rotate_triton_with_pdl_equals_without():
+    """As in a decode step: a PDL GEMV writes q/k/v, the PDL rotary kernel reads them at once, all in one CUDA
+    graph replayed on new inputs; the results equal the same chain launched without PDL, bit for bit."""
     from minirt.kernels import pdl_missing
+    from minirt.kernels.gemv_triton import linear_gemv
+    from minirt.kernels.rotary_triton import norm_and_rotate_triton
 
     if missing := pdl_missing(torch.device("cuda")):
         pytest.skip(f"PDL needs {missing}")
-    check(1, 1, 16, 8, 128, 128, True, torch.bfloat16, "cuda", pdl=True)
+    gen = torch.Generator().manual_seed(0)
+    w = (torch.randn(4096, 1024, generator=gen) / 32).to(torch.bfloat16).cuda()
+    x = torch.randn(1, 1, 1024, dtype=torch.bfloat16, device="cuda")
+    angles = torch.rand(1, 1, 64, generator=gen) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16).cuda() for f in (torch.cos, torch.sin))
+    qw, kw = ((1 + 0.3 * torch.randn(128, generator=gen)).to(torch.bfloat16).cuda() for _ in range(2))
+
+    def step(pdl):
+        q, k, _ = linear_gemv(x, w, pdl=pdl).split([2048, 1024, 1024], dim=-1)
+        return norm_and_rotate_triton(q.view(1, 1, 16, 128), k.view(1, 1, 8, 128), cos, sin, qw, kw, 1e-6, pdl=pdl)
+
+    step(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step(True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        refs = step(False)
+        torch.cuda.synchronize()
+        assert all(torch.equal(o, r) for o, r in zip(outs, refs))
 
 
 def test_norm_and_rotate_triton_argument_errors():
@@ -93,8 +126,13 @@ def test_norm_and_rotate_triton_argument_errors():
     w = torch.ones(16)
     with pytest.raises(ValueError, match=r"^k: must be \[1, 2, Hkv, 16\] like q"):
         norm_and_rotate_triton(q, torch.randn(1, 2, 2, 8), cos, sin, w, w, 1e-6)
-    with pytest.raises(ValueError, match=r"^cos: needs a power-of-two head_dim and an even rotary dim"):
+    with pytest.raises(ValueError, match=r"^cos: the rotary dim must be even and at most head_dim = 16, got 15"):
         norm_and_rotate_triton(q, k, torch.randn(1, 2, 15), torch.randn(1, 2, 15), w, w, 1e-6)
+    with pytest.raises(ValueError, match=r"^q: head_dim must be a power of two, got 24"):
+        norm_and_rotate_triton(torch.randn(1, 2, 4, 24), torch.randn(1, 2, 2, 24), torch.randn(1, 2, 24),
+                               torch.randn(1, 2, 24), None, None, 0.0)
+    with pytest.raises(ValueError, match=r"^k: must be torch.float32 on cpu like q, got torch.float64"):
+        norm_and_rotate_triton(q, k.double(), cos, sin, w, w, 1e-6)
     with pytest.raises(ValueError, match=r"^cos/sin: must be contiguous \[1, 2, 16\]"):
         norm_and_rotate_triton(q, k, cos, torch.randn(1, 2, 8), w, w, 1e-6)
     with pytest.raises(ValueError, match=r"^q: each token's heads must be contiguous"):

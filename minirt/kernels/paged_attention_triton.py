@@ -99,10 +99,10 @@ def _paged_attention_kernel(
 @triton.jit
 def _combine_splits_kernel(Out, PartAcc, PartM, PartL, stride_ot, stride_oh,
                            HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr, PDL: tl.constexpr):
+    """out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s (an empty split has m_s = -inf)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    """out = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s, M = max_s m_s (an empty split has m_s = -inf)."""
     token = tl.program_id(0)
     head = tl.program_id(1)
     row = (token * tl.num_programs(1) + head) * NUM_SPLITS

@@ -71,8 +71,9 @@ def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
                            pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """`minirt.model.layers.norm_and_rotate` in one kernel: q `[B, T, H, D]`, k `[B, T, Hkv, D]` (each token's
     heads contiguous; tokens may be strided, as slices of a merged q/k/v projection are), cos/sin `[B, T, R]`
-    with R <= D even, q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k.
-    Computes in float32, rounding to q's dtype after each op as the eager reference does. pdl: launch with
+    with R <= D even, q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k. D must be a power
+    of two. Computes in float32, rounding to q's dtype after each op as the eager reference does (equal results
+    when cos, sin and the weights are in q's dtype too, as in the model). pdl: launch with
     programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`). Raises ValueError naming the
     argument for layouts it cannot read."""
     B, T, num_heads, head_dim = q.shape
@@ -80,8 +81,12 @@ def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
     rot = cos.shape[-1]
     if k.shape[:2] != (B, T) or k.shape[3] != head_dim:
         raise ValueError(f"k: must be [{B}, {T}, Hkv, {head_dim}] like q, got {tuple(k.shape)}")
-    if head_dim & (head_dim - 1) or rot % 2 or rot > head_dim:
-        raise ValueError(f"cos: needs a power-of-two head_dim and an even rotary dim <= it, got {head_dim}, {rot}")
+    if k.dtype != q.dtype or k.device != q.device:
+        raise ValueError(f"k: must be {q.dtype} on {q.device} like q, got {k.dtype} on {k.device}")
+    if head_dim < 1 or head_dim & (head_dim - 1):
+        raise ValueError(f"q: head_dim must be a power of two, got {head_dim}")
+    if rot % 2 or rot > head_dim:
+        raise ValueError(f"cos: the rotary dim must be even and at most head_dim = {head_dim}, got {rot}")
     if cos.shape != (B, T, rot) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
         raise ValueError(f"cos/sin: must be contiguous [{B}, {T}, {rot}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
     for name, x in (("q", q), ("k", k)):

@@ -189,7 +189,10 @@ class DecoderModel(nn.Module):
     def set_gemv(self, gemv) -> None:
         """Send one-row inputs of every projection and of the LM head to `gemv` (a function with
         `minirt.model.layers.gemv_reference`'s contract, e.g. `minirt.kernels.gemv_triton.linear_gemv`), or back
-        to `F.linear` (None). See `minirt.model.layers.Linear`."""
+        to `F.linear` (None, which also turns `set_norm_in_gemv` off: the norm prologue lives in the GEMV kernel).
+        See `minirt.model.layers.Linear`."""
+        if gemv is None:
+            self.set_norm_in_gemv(False)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.gemv = gemv
