@@ -34,7 +34,7 @@ import torch
 from minirt.attention import paged_attention_reference
 from minirt.config import EngineConfig, cdiv
 from minirt.cuda_graphs import DecodeGraphs
-from minirt.kernels import pdl_missing, refuse_missing_triton, select_paged_attention, triton_missing
+from minirt.kernels import pdl_missing, refuse_missing_triton, select_paged_attention
 from minirt.kv.block_pool import BlockPool
 from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
@@ -115,11 +115,8 @@ class Engine:
                                    split_kv, enforce_eager, fused_ops, merge_projections, gemv, num_scheduler_steps,
                                    norm_in_gemv, rotary_kernel, pdl)
         device = resolve_device(device)
-        refuse_missing_triton(device, attention_backend, gemv)     # before the checkpoint takes any memory
-        if rotary_kernel and (missing := triton_missing(device)):
-            raise ValueError(f"rotary_kernel: the Triton kernel needs {' and '.join(missing)}")
-        if pdl and (missing := pdl_missing(device)):
-            raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
+        # Before the checkpoint takes any memory; once it is loaded, again with its head_dim.
+        refuse_missing_triton(device, attention_backend, gemv, rotary_kernel=rotary_kernel, pdl=pdl)
         if norm_in_gemv and gemv is None and (device.type != "cuda" or enforce_eager):
             raise ValueError("norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
                              f"(device {device.type}, enforce_eager={enforce_eager}); pass gemv=True where it can run")
@@ -162,8 +159,7 @@ class Engine:
         if use_graphs if rotary_kernel is None else rotary_kernel:
             from minirt.kernels.rotary_triton import norm_and_rotate_triton
 
-            if missing := triton_missing(self.device, head_dim_of(mc)):
-                raise ValueError(f"rotary_kernel: the Triton kernel needs {' and '.join(missing)}")
+            refuse_missing_triton(self.device, attention_backend, gemv, head_dim_of(mc), rotary_kernel=True)
             self.model.set_rotary_kernel(functools.partial(norm_and_rotate_triton, pdl=use_pdl))
         #: Whether the Triton kernels launch with programmatic dependent launch (`EngineConfig.pdl`, resolved).
         self.pdl = bool(use_pdl)

@@ -24,12 +24,14 @@ def triton_missing(device: torch.device, head_dim: int | None = None) -> list[st
     return [need for need, ok in needs if not ok]
 
 
-def pdl_missing(device: torch.device) -> list[str]:
+@functools.lru_cache(maxsize=None)
+def pdl_missing(device: torch.device) -> tuple[str, ...]:
     """What programmatic dependent launch (PDL) needs and does not have here (empty: it can run): a CUDA
-    device of compute capability 9.0 or later (Hopper), and a Triton with `tl.extra.cuda.gdc_wait`."""
+    device of compute capability 9.0 or later (Hopper), and a Triton with `tl.extra.cuda.gdc_wait`. Cached per
+    device: `linear_gemv(pdl=True)` asks on every call."""
     missing = triton_missing(device)
     if missing:
-        return missing
+        return tuple(missing)
     index = device.index if device.index is not None else torch.cuda.current_device()
     major, minor = torch.cuda.get_device_capability(index)
     if major < 9:
@@ -37,7 +39,7 @@ def pdl_missing(device: torch.device) -> list[str]:
     if importlib.util.find_spec("triton.language.extra.cuda") is None or not hasattr(
             importlib.import_module("triton.language.extra.cuda"), "gdc_wait"):
         missing.append("a Triton with tl.extra.cuda.gdc_wait (3.3 or later)")
-    return missing
+    return tuple(missing)
 
 
 @functools.lru_cache(maxsize=None)
@@ -51,15 +53,21 @@ def num_sms(device: torch.device) -> int:
 
 
 def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bool | None,
-                          head_dim: int | None = None) -> None:
+                          head_dim: int | None = None, rotary_kernel: bool | None = None,
+                          pdl: bool | None = None) -> None:
     """Raise ValueError naming the field if a Triton switch is asked for explicitly (`attention_backend="triton"`,
-    `gemv=True`) and cannot run on `device`. Callable before any model is loaded: head_dim None skips its check."""
+    `gemv=True`, `rotary_kernel=True`, `pdl=True`) and cannot run on `device`. Callable before any model is
+    loaded: head_dim None skips its checks (the rotary kernel also needs a power-of-two head_dim)."""
     missing = triton_missing(device, head_dim)
     if missing and attention_backend == "triton":
         raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
+    if missing and rotary_kernel:
+        raise ValueError(f"rotary_kernel: the Triton kernel needs {' and '.join(missing)}")
     missing = triton_missing(device)
     if missing and gemv:
         raise ValueError(f"gemv: the Triton matrix-vector kernel needs {' and '.join(missing)}")
+    if pdl and (missing := pdl_missing(device)):
+        raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
 
 
 def select_paged_attention(backend: str, device: torch.device, head_dim: int, split_kv: bool = True):
