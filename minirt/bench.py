@@ -470,7 +470,8 @@ def run(args) -> int:
     engine_kwargs = engine_kwargs_of(args)
     try:                   # checked before the model is built (the head_dim check waits for the engine)
         EngineConfig(**engine_kwargs)
-        refuse_missing_triton(device, engine_kwargs.get("attention_backend", "auto"), engine_kwargs.get("gemv"))
+        refuse_missing_triton(device, engine_kwargs.get("attention_backend", "auto"), engine_kwargs.get("gemv"),
+                              rotary_kernel=engine_kwargs.get("rotary_kernel"), pdl=engine_kwargs.get("pdl"))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

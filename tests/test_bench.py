@@ -155,9 +155,11 @@ def test_engine_switches_from_the_command_line():
 
 @pytest.mark.parametrize("argv,words", [(["--threads", "0"], "--threads: must be an integer >= 1"),
                                         (["--attention-backend", "triton"], "attention_backend: 'triton' needs"),
-                                        (["--gemv", "on"], "gemv: the Triton matrix-vector kernel needs")])
+                                        (["--gemv", "on"], "gemv: the Triton matrix-vector kernel needs"),
+                                        (["--rotary-kernel", "on"], "rotary_kernel: the Triton kernel needs"),
+                                        (["--pdl", "on"], "pdl: programmatic dependent launch needs")])
 def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
-    if ("triton" in argv or "--gemv" in argv) and __import__("torch").cuda.is_available():
+    if ("triton" in argv or "on" in argv) and __import__("torch").cuda.is_available():
         pytest.skip("a valid setting on a CUDA machine")
     proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", *argv], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"), check=False)
