@@ -164,6 +164,12 @@ class PagedAttention:
         assert q.shape[0] == 1, "paged attention takes a packed batch [1, num_tokens]"
         k_cache, v_cache = self.kv_cache[layer_idx]
         self.store(k_cache, v_cache, k[0], v[0], self.meta.slot_mapping)
+        return self.attend(layer_idx, q)
+
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention alone, for a caller that has already written this step's K/V into layer `layer_idx`'s
+        cache at `meta.slot_mapping` (`DecoderAttention.rotary_store`). q `[1, num_tokens, H, D]`."""
+        k_cache, v_cache = self.kv_cache[layer_idx]
         return self.kernel(q[0], k_cache, v_cache, self.meta)[None]
 
 

@@ -313,7 +313,8 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
         engine = llm.engine
         kernel = engine.model_runner.attention_kernel
         report["settings"]["engine_resolved"] = {
-            "attention_kernel": getattr(kernel, "__name__", None) or f"{kernel.func.__name__}{kernel.keywords}",
+            "attention_kernel": getattr(kernel, "__name__", None) or f"{kernel.func.__name__}"
+                                f"{ {k: v for k, v in kernel.keywords.items() if k != 'split_counters'} }",
             "cuda_graphs": engine.model_runner.decode_graphs is not None,
             "fused_ops": engine.model.model.norm.fuse,
             "merged_projections": engine.model.model.layers[0].self_attn.qkv_proj is not None,
@@ -321,6 +322,8 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             "norm_in_gemv": engine.model.model.layers[0].norm_in_gemv,
             "rotary_kernel": engine.model.model.layers[0].self_attn.rotary_kernel is not None,
             "pdl": engine.pdl,
+            "kv_write_in_rotary": engine.model.model.layers[0].self_attn.rotary_store is not None,
+            "combine_in_attention": "split_counters" in getattr(kernel, "keywords", {}),
             "num_kv_blocks": engine.config.num_kv_blocks,
             "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size
@@ -433,6 +436,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="minirt's q/k norm and rotation in one Triton kernel (auto: with CUDA graphs)")
     p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
                    help="minirt's Triton kernels with programmatic dependent launch (auto: with CUDA graphs, Hopper+)")
+    p.add_argument("--kv-write-in-rotary", choices=["auto", "on", "off"], default="auto",
+                   help="minirt's K/V cache write inside the rotary kernel (auto: with the rotary kernel)")
+    p.add_argument("--combine-in-attention", choices=["auto", "on", "off"], default="auto",
+                   help="minirt's split-KV combine inside the attention kernel (auto: off; slower where PDL runs)")
     return p
 
 
@@ -445,7 +452,8 @@ def engine_kwargs_of(args) -> dict:
         kwargs["split_kv"] = False
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
-    for name in ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl"):
+    for name in ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
+                 "combine_in_attention"):
         if getattr(args, name) != "auto":
             kwargs[name] = getattr(args, name) == "on"
     if args.num_scheduler_steps is not None:
@@ -471,7 +479,9 @@ def run(args) -> int:
     try:                   # checked before the model is built (the head_dim check waits for the engine)
         EngineConfig(**engine_kwargs)
         refuse_missing_triton(device, engine_kwargs.get("attention_backend", "auto"), engine_kwargs.get("gemv"),
-                              rotary_kernel=engine_kwargs.get("rotary_kernel"), pdl=engine_kwargs.get("pdl"))
+                              rotary_kernel=engine_kwargs.get("rotary_kernel"), pdl=engine_kwargs.get("pdl"),
+                              kv_write_in_rotary=engine_kwargs.get("kv_write_in_rotary"),
+                              combine_in_attention=engine_kwargs.get("combine_in_attention"))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -44,6 +44,13 @@ class EngineConfig:
     pdl: launch the Triton kernels (GEMV, paged attention, K/V write, rotary) with programmatic dependent launch, so each
     starts while the one before finishes and the GEMV streams its first weights meanwhile (see
     `minirt.kernels.gemv_triton.linear_gemv`); needs a Hopper or later GPU. None = with CUDA graphs where it can run.
+    kv_write_in_rotary: the rotary kernel also writes each step's keys and values into the paged KV cache, so the
+    attention backend's K/V write is not launched (see `minirt.kernels.rotary_triton.norm_rotate_and_store_triton`);
+    needs rotary_kernel. None = with the rotary kernel.
+    combine_in_attention: with split-KV, the last program to finish a decode's keys combines the splits' results
+    inside the attention kernel instead of a second kernel (see `paged_attention_triton`'s `split_counters`);
+    needs the Triton attention kernel and split_kv. Off by default: one launch fewer, but slower on an H200 with
+    PDL, which already hides the second kernel's launch (chapter 07 shows the measurement).
     """
 
     block_size: int = 16
@@ -63,6 +70,8 @@ class EngineConfig:
     norm_in_gemv: bool | None = None
     rotary_kernel: bool | None = None
     pdl: bool | None = None
+    kv_write_in_rotary: bool | None = None
+    combine_in_attention: bool = False
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -75,13 +84,14 @@ class EngineConfig:
                 raise ValueError(f"{name}: must be an integer >= 1 or None, got {value!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
-        for name in ("enable_prefix_caching", "split_kv", "enforce_eager"):
+        for name in ("enable_prefix_caching", "split_kv", "enforce_eager", "combine_in_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be a bool, got {getattr(self, name)!r}")
         for name, auto in (("fused_ops", "on CUDA only"), ("merge_projections", "on CUDA only"),
                            ("gemv", "with CUDA graphs"), ("norm_in_gemv", "with gemv and merged projections"),
                            ("rotary_kernel", "with CUDA graphs"),
-                           ("pdl", "with CUDA graphs where it can run")):
+                           ("pdl", "with CUDA graphs where it can run"),
+                           ("kv_write_in_rotary", "with the rotary kernel")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}: must be a bool or None (None = {auto}), got {value!r}")
@@ -89,6 +99,13 @@ class EngineConfig:
             raise ValueError("norm_in_gemv: the norm runs in the GEMV kernel's prologue of a merged projection, "
                              f"so it needs gemv and merge_projections, got gemv={self.gemv!r}, "
                              f"merge_projections={self.merge_projections!r}")
+        if self.kv_write_in_rotary and self.rotary_kernel is False:
+            raise ValueError("kv_write_in_rotary: the K/V write runs in the rotary kernel, so it needs rotary_kernel, "
+                             "got rotary_kernel=False")
+        if self.combine_in_attention and (not self.split_kv or self.attention_backend == "torch"):
+            raise ValueError("combine_in_attention: combines split-KV results in the Triton attention kernel, so it "
+                             f"needs split_kv and that kernel, got split_kv={self.split_kv!r}, "
+                             f"attention_backend={self.attention_backend!r}")
 
 
 def cdiv(a: int, b: int) -> int:

@@ -109,14 +109,16 @@ class Engine:
                  attention_backend: str = "auto", split_kv: bool = True, enforce_eager: bool = False,
                  fused_ops: bool | None = None, merge_projections: bool | None = None, gemv: bool | None = None,
                  num_scheduler_steps: int | None = None, norm_in_gemv: bool | None = None,
-                 rotary_kernel: bool | None = None, pdl: bool | None = None):
+                 rotary_kernel: bool | None = None, pdl: bool | None = None,
+                 kv_write_in_rotary: bool | None = None, combine_in_attention: bool = False):
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                    max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
                                    split_kv, enforce_eager, fused_ops, merge_projections, gemv, num_scheduler_steps,
-                                   norm_in_gemv, rotary_kernel, pdl)
+                                   norm_in_gemv, rotary_kernel, pdl, kv_write_in_rotary, combine_in_attention)
         device = resolve_device(device)
         # Before the checkpoint takes any memory; once it is loaded, again with its head_dim.
-        refuse_missing_triton(device, attention_backend, gemv, rotary_kernel=rotary_kernel, pdl=pdl)
+        refuse_missing_triton(device, attention_backend, gemv, rotary_kernel=rotary_kernel, pdl=pdl,
+                              kv_write_in_rotary=kv_write_in_rotary, combine_in_attention=combine_in_attention)
         if norm_in_gemv and gemv is None and (device.type != "cuda" or enforce_eager):
             raise ValueError("norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
                              f"(device {device.type}, enforce_eager={enforce_eager}); pass gemv=True where it can run")
@@ -140,6 +142,14 @@ class Engine:
         use_pdl = (use_graphs and not pdl_missing(self.device)) if pdl is None else pdl
         if use_pdl and kernel is not paged_attention_reference:
             kernel, store = functools.partial(kernel, pdl=True), functools.partial(store, pdl=True)
+        if combine_in_attention and not (kernel is not paged_attention_reference and split_kv):
+            raise ValueError("combine_in_attention: needs the Triton attention kernel with split_kv, which did not "
+                             f"resolve on (device {self.device.type})")
+        if combine_in_attention:
+            from minirt.kernels.paged_attention_triton import split_counters_for
+
+            counters = split_counters_for(max_num_seqs, mc.num_key_value_heads, self.device)
+            kernel = functools.partial(kernel, split_counters=counters)
         # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
         kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
         on_cuda = self.device.type == "cuda"                 # None: the switch is on where it pays, on CUDA
@@ -156,11 +166,19 @@ class Engine:
         elif norm_in_gemv and not (use_gemv and merged):
             raise ValueError(f"norm_in_gemv: needs gemv and merge_projections, which resolved to {use_gemv} and {merged}")
         self.model.set_norm_in_gemv(norm_in_gemv)
-        if use_graphs if rotary_kernel is None else rotary_kernel:
-            from minirt.kernels.rotary_triton import norm_and_rotate_triton
+        use_rotary = use_graphs if rotary_kernel is None else rotary_kernel
+        if use_rotary:
+            from minirt.kernels.rotary_triton import norm_and_rotate_triton, norm_rotate_and_store_triton
 
             refuse_missing_triton(self.device, attention_backend, gemv, head_dim_of(mc), rotary_kernel=True)
             self.model.set_rotary_kernel(functools.partial(norm_and_rotate_triton, pdl=use_pdl))
+        if kv_write_in_rotary is None:
+            kv_write_in_rotary = use_rotary
+        elif kv_write_in_rotary and not use_rotary:
+            raise ValueError("kv_write_in_rotary: needs the rotary kernel, which resolved off (rotary_kernel=None is "
+                             f"on with CUDA graphs only; device {self.device.type}, enforce_eager={enforce_eager})")
+        if kv_write_in_rotary:
+            self.model.set_rotary_store(functools.partial(norm_rotate_and_store_triton, pdl=use_pdl))
         #: Whether the Triton kernels launch with programmatic dependent launch (`EngineConfig.pdl`, resolved).
         self.pdl = bool(use_pdl)
         graphs = None

@@ -122,7 +122,8 @@ def test_bad_request_ids_and_timeouts(tiny_models, engine_kw):
                                          ("attention_backend", "cuda"), ("attention_backend", None),
                                          ("split_kv", 1), ("enforce_eager", "yes"), ("fused_ops", "on"),
                                          ("merge_projections", 0), ("gemv", "yes"), ("norm_in_gemv", 1),
-                                         ("rotary_kernel", "on"), ("pdl", "on")])
+                                         ("rotary_kernel", "on"), ("pdl", "on"), ("kv_write_in_rotary", 1),
+                                         ("combine_in_attention", "yes")])
 def test_bad_engine_settings(tiny_models, field, value):
     with pytest.raises(ValueError, match=field):
         minirt.Engine(tiny_models["llama"], **{field: value})
@@ -139,6 +140,23 @@ def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models, 
         minirt.Engine(tiny_models["llama"], device="cpu", pdl=True)
     with pytest.raises(ValueError, match=r"rotary_kernel: the Triton kernel needs a CUDA device \(got cpu\)"):
         minirt.Engine(tiny_models["llama"], device="cpu", rotary_kernel=True)
+    for name in ("kv_write_in_rotary", "combine_in_attention"):
+        with pytest.raises(ValueError, match=rf"^{name}: the Triton kernel it runs in needs a CUDA device \(got cpu\)"):
+            minirt.Engine(tiny_models["llama"], device="cpu", **{name: True})
+
+
+def test_fused_attention_switches_refused_without_what_they_run_in():
+    """The K/V write runs in the rotary kernel and the split combine in the Triton attention kernel with split-KV:
+    asking for either with its host switched off is refused by the config, naming the field and the conflict."""
+    from minirt.config import EngineConfig
+
+    with pytest.raises(ValueError, match=r"^kv_write_in_rotary: .* needs rotary_kernel, got rotary_kernel=False"):
+        EngineConfig(rotary_kernel=False, kv_write_in_rotary=True)
+    with pytest.raises(ValueError, match=r"^combine_in_attention: .* got split_kv=False, attention_backend='auto'"):
+        EngineConfig(split_kv=False, combine_in_attention=True)
+    with pytest.raises(ValueError, match=r"^combine_in_attention: .* got split_kv=True, attention_backend='torch'"):
+        EngineConfig(attention_backend="torch", combine_in_attention=True)
+    EngineConfig(rotary_kernel=False, kv_write_in_rotary=False, split_kv=False, combine_in_attention=False)
 
 
 def test_norm_in_gemv_refused_without_its_gemv(tiny_models):

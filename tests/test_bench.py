@@ -115,7 +115,7 @@ def test_optimization_steps_add_one_switch_each():
     defaults = {k: p.default for k, p in inspect.signature(Engine).parameters.items() if k in steps[-1][1]}
     resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True,
                         "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True, "rotary_kernel": True,
-                        "pdl": True}
+                        "pdl": True, "kv_write_in_rotary": True, "combine_in_attention": False}
     assert steps[-1][1] == resolved_on_cuda
 
 
@@ -123,6 +123,25 @@ def test_optimizations_script_needs_cuda():
     if __import__("torch").cuda.is_available():
         pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
     assert _benchmark_module().main(["--quick"]) == 2
+
+
+def test_ab_benchmark_parses_settings_and_refuses_bad_ones(capsys):
+    """benchmarks/ab.py: each --config is NAME:field=value,...; a malformed one, a bad value or a field the engine
+    does not know exits 2 with the text named, before any model is built (and, on the CPU, it needs CUDA)."""
+    ab = _benchmark_module("ab")
+    assert ab.parse_config("x:kv_write_in_rotary=on,num_scheduler_steps=4,pdl=auto") == (
+        "x", {"kv_write_in_rotary": True, "num_scheduler_steps": 4, "pdl": None})
+    for name, kwargs in map(ab.parse_config, ab.DEFAULT_CONFIGS):
+        assert set(kwargs) == {"kv_write_in_rotary", "combine_in_attention"}
+    for bad, words in (("nocolon", "expected NAME:field=value"), ("x:pdl", "expected field=value in 'x:pdl'"),
+                       ("x:pdl=maybe", "pdl's value must be on, off, auto or an integer, got 'maybe'"),
+                       ("x:warp_speed=on", "unknown engine fields ['warp_speed']"),
+                       ("x:block_size=0", "block_size: must be an integer >= 1, got 0")):
+        assert ab.main(["--config", bad]) == 2
+        assert words in capsys.readouterr().err
+    assert ab.main(["--rounds", "0"]) == 2 and "--rounds: must be >= 1, got 0" in capsys.readouterr().err
+    if not __import__("torch").cuda.is_available():
+        assert ab.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
 
 
 def test_gemv_benchmark_needs_cuda(monkeypatch, capsys):

@@ -108,18 +108,22 @@ def test_cuda_graphs_equal_transformers(tiny_model_path, fused_ops):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
-@pytest.mark.parametrize("pdl", [False, None], ids=["no-pdl", "pdl-auto"])
-def test_batch1_decode_with_norm_in_gemv_equals_transformers(tiny_model_path, pdl):
+@pytest.mark.parametrize("pdl,fused", [(False, False), (None, None), (None, True)],
+                         ids=["no-pdl", "pdl-auto", "all-on"])
+def test_batch1_decode_with_norm_in_gemv_equals_transformers(tiny_model_path, pdl, fused):
     """One request at a time, so every decode step takes the one-row path of chapter 07's last switches: the
-    norms in the GEMV's prologue (on by default with the GEMV) and, where the GPU has it, PDL."""
+    norms in the GEMV's prologue (on by default with the GEMV), where the GPU has it PDL, the K/V write in the
+    rotary kernel (on by default with it) and (all-on) the split-KV combine in the attention kernel."""
     from minirt.kernels import pdl_missing
 
     llm = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=1,
-                     num_kv_blocks=512, pdl=pdl)
+                     num_kv_blocks=512, pdl=pdl, kv_write_in_rotary=fused, combine_in_attention=bool(fused))
     assert llm.engine.model.model.layers[0].norm_in_gemv
     kernel = llm.engine.model_runner.attention_kernel
     want_pdl = pdl is None and not pdl_missing(torch.device("cuda"))
     assert getattr(kernel, "keywords", {}).get("pdl", False) == want_pdl
+    assert ("split_counters" in getattr(kernel, "keywords", {})) == bool(fused)
+    assert (llm.engine.model.model.layers[0].self_attn.rotary_store is not None) == (fused is not False)
     rng = random.Random(5)
     prompts = random_prompts(13, [rng.randint(1, 40) for _ in range(6)])
     ns = [rng.randint(1, 30) for _ in prompts]

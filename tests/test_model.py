@@ -176,6 +176,55 @@ def test_one_token_forward_with_gemv_equals_transformers(tiny_model_path):
     assert not calls
 
 
+@pytest.mark.parametrize("kernel", ["reference"] + (["triton"] if TRITON_DEVICE else []))
+def test_rotary_store_hook_writes_the_cache_the_backend_would(tiny_model_path, kernel):
+    """Chapter 07's `kv_write_in_rotary`: with `set_rotary_store`, each layer's rotation also writes K/V into the
+    paged cache and the backend only attends. A prefill chunk then a decode step through a `PagedAttention` backend
+    give the same hidden states and leave the same cache as the backend's own write (and, for the reference,
+    transformers' logits); the store is counted, and the backend's `store` is never called."""
+    from minirt.attention import PagedAttention, PagedAttentionMetadata, paged_attention_reference, store_kv
+    from minirt.kv.paged_cache import allocate_kv_cache
+    from minirt.model.layers import norm_rotate_and_store
+
+    device = TRITON_DEVICE if kernel == "triton" else "cpu"
+    if kernel == "triton":
+        from minirt.kernels.rotary_triton import norm_rotate_and_store_triton as store_fn
+    else:
+        store_fn = norm_rotate_and_store
+    model, _ = minirt.load_model(tiny_model_path, device=device, dtype=torch.float32)
+    cfg = model.config
+    ids = torch.tensor(random_prompts(5, [7]), device=device)                 # 6 prompt tokens, then 1 decode
+    block_size, table = 4, torch.tensor([[3, 0, 2]], device=device)
+
+    def run(use_store_hook):
+        cache = allocate_kv_cache(cfg, 5, block_size, torch.float32, torch.device(device))
+        calls = []
+        model.set_rotary_store((lambda *a: calls.append(1) or store_fn(*a)) if use_store_hook else None)
+        outs = []
+        for lo, hi in ((0, 6), (6, 7)):
+            pos = torch.arange(lo, hi, device=device)
+            meta = PagedAttentionMetadata(
+                slot_mapping=table[0, pos // block_size] * block_size + pos % block_size,
+                query_start_loc=torch.tensor([0, hi - lo], device=device), context_lens=torch.tensor([hi], device=device),
+                block_tables=table, max_query_len=hi - lo, max_context_len=hi)
+            backend_store = (lambda *a: pytest.fail("the backend wrote K/V")) if use_store_hook else store_kv
+            attn = PagedAttention(cache, meta, paged_attention_reference, backend_store)
+            outs.append(model(ids[:, lo:hi], pos[None], attn=attn))
+        model.set_rotary_store(None)
+        return torch.cat(outs, 1), cache, len(calls)
+
+    want, want_cache, _ = run(False)
+    got, got_cache, calls = run(True)
+    assert calls == 2 * cfg.num_hidden_layers
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_cache, want_cache, atol=1e-5, rtol=1e-5)
+    assert got_cache.abs().sum() > 0
+    if kernel == "reference":
+        logits = model.compute_logits(got)
+        hf = hf_logits(tiny_model_path, ids.cpu())
+        torch.testing.assert_close(logits, hf, atol=1e-4 * max(1.0, hf.abs().max().item()), rtol=1e-4)
+
+
 def test_linear_sends_only_one_row_inputs_to_gemv(tiny_model_path):
     """The `gemv` hook of `minirt.model.layers.Linear`, with `F.linear` standing in for the Triton kernel:
     a one-token forward calls it for every projection and the LM head (also after merging, which keeps the

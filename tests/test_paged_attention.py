@@ -125,6 +125,108 @@ def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
     torch.testing.assert_close(got, oracle(ks, vs, qs), atol=tol, rtol=tol)
 
 
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
+@pytest.mark.parametrize("num_splits", [2, 16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_combine_in_attention_matches_sdpa(decode_only, num_splits, dtype):
+    """Chapter 07's `combine_in_attention`: with `split_counters` the last split of each (sequence, KV head, query
+    tile) to finish combines the splits' results in the attention kernel. Against the oracle, as the two-kernel
+    path is; run twice on one counter buffer, which the kernel leaves zeroed."""
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for
+
+    if INTERPRETER and dtype != torch.float32:
+        pytest.skip("bfloat16 is checked on CUDA")
+    device = TRITON_DEVICE
+    q, k_cache, v_cache, meta, ks, vs, qs = build_case(71 + num_splits, 16, 16, 8, 128, dtype, device, num_seqs=3)
+    if decode_only:
+        qs = [x[-1:] for x in qs]
+        q = torch.cat(qs)
+        meta.query_start_loc, meta.max_query_len = torch.arange(4, device=device), 1
+    else:
+        assert meta.max_query_len > 1
+    tiles = -(-meta.max_query_len // 8)                            # 16 query rows per tile: 8 tokens x 2 heads
+    counters = split_counters_for(3 * tiles, 8, torch.device(device))
+    tol = 2e-5 if dtype == torch.float32 else 2e-2
+    for _ in range(2):
+        got = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=num_splits, split_counters=counters)
+        torch.testing.assert_close(got.float(), oracle(ks, vs, qs), atol=tol, rtol=tol)
+        assert not counters.any()
+
+
+def test_split_counters_refused_when_they_cannot_serve():
+    pytest.importorskip("triton")
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for
+
+    q, k_cache, v_cache, meta, *_ = build_case(3, 16, 4, 2, 16, torch.float32, "cpu", num_seqs=3)
+    meta.query_start_loc, meta.max_query_len = torch.arange(4), 1
+    q = q[:3]
+    for bad, words in ((split_counters_for(2, 2, torch.device("cpu")), "torch.int32, 4 elements"),
+                       (torch.zeros(6, dtype=torch.int64), "torch.int64, 6 elements")):
+        with pytest.raises(ValueError, match=rf"^split_counters: must be a contiguous int32 tensor on cpu with at "
+                                             rf"least 6 elements \(sequences x KV heads x query tiles\), got {words}"):
+            paged_attention_triton(q, k_cache, v_cache, meta, num_splits=2, split_counters=bad)
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
+@pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
+def test_split_combine_in_attention_in_a_cuda_graph(pdl):
+    """As a decode step uses it: the K/V write and attention with the in-kernel combine captured in one CUDA graph
+    and replayed on new queries, K/V and a growing context; each replay matches the oracle and leaves the
+    counters zeroed (a counter left at a count would make a later replay combine too early or never)."""
+    from minirt.kernels import pdl_missing
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for, store_kv_triton
+
+    if pdl and (missing := pdl_missing(torch.device("cuda"))):
+        pytest.skip(f"PDL needs {missing}")
+    _, k_cache, v_cache, meta, ks, vs, _ = build_case(13, 16, 16, 8, 128, torch.bfloat16, "cuda", num_seqs=4)
+    n = 4
+    # Each sequence's blocks plus one block nobody uses, so that three more tokens always fit.
+    used = {b for s in range(n) for b in meta.block_tables[s, :-(-ks[s].shape[0] // 16)].tolist()}
+    spare = [b for b in range(k_cache.shape[0]) if b not in used][:n]
+    table = torch.cat([meta.block_tables, torch.zeros(n, 1, dtype=torch.int64, device="cuda")], 1)
+    for s in range(n):
+        table[s, -(-ks[s].shape[0] // 16)] = spare[s]
+    meta.block_tables = table
+    meta.query_start_loc, meta.max_query_len = torch.arange(n + 1, device="cuda"), 1
+    meta.max_context_len += 3
+    q_in = torch.zeros(n, 16, 128, dtype=torch.bfloat16, device="cuda")
+    k_in, v_in = (torch.zeros(n, 8, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    meta.slot_mapping = torch.zeros(n, dtype=torch.int64, device="cuda")
+    counters = split_counters_for(n, 8, torch.device("cuda"))
+
+    def step():
+        store_kv_triton(k_cache, v_cache, k_in, v_in, meta.slot_mapping, pdl=pdl)
+        return paged_attention_triton(q_in, k_cache, v_cache, meta, num_splits=16, pdl=pdl, split_counters=counters)
+
+    meta.context_lens.sub_(1)           # the warm-up and the capture rewrite each sequence's last key with zeros
+    meta.slot_mapping.copy_(torch.stack([table[s, (ks[s].shape[0] - 1) // 16] * 16 + (ks[s].shape[0] - 1) % 16
+                                         for s in range(n)]))
+    meta.context_lens.add_(1)
+    for s in range(n):
+        ks[s][-1], vs[s][-1] = 0, 0
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):                  # each replay appends one token to every sequence
+        pos = meta.context_lens.clone()
+        meta.slot_mapping.copy_(table.gather(1, (pos // 16)[:, None])[:, 0] * 16 + pos % 16)
+        meta.context_lens.add_(1)
+        new = [torch.randn(n, h, 128, generator=gen).to(torch.bfloat16).cuda() for h in (16, 8, 8)]
+        for dst, src in zip((q_in, k_in, v_in), new):
+            dst.copy_(src)
+        for s in range(n):
+            ks[s], vs[s] = torch.cat([ks[s], new[1][s:s + 1]]), torch.cat([vs[s], new[2][s:s + 1]])
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), oracle(ks, vs, [new[0][s:s + 1] for s in range(n)]),
+                                   atol=2e-2, rtol=2e-2)
+        assert not counters.any()
+
+
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
 def test_triton_kernels_with_pdl_equal_without(decode_only):

@@ -139,3 +139,62 @@ def test_norm_and_rotate_triton_argument_errors():
         norm_and_rotate_triton(torch.randn(1, 2, 16, 4).transpose(2, 3), k, cos, sin, w, w, 1e-6)
     with pytest.raises(ValueError, match=r"^q_weight/k_weight: give both or neither"):
         norm_and_rotate_triton(q, k, cos, sin, w, None, 1e-6)
+
+
+@pytest.mark.skipif(not DEVICES, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
+def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm):
+    """`norm_rotate_and_store_triton` (chapter 07's `kv_write_in_rotary`) gives the bits of its two-kernel
+    equivalent, `norm_and_rotate_triton` then `store_kv_triton`: the same rotated q, the same keys and values in
+    the given slots of the paged cache, every other slot untouched."""
+    pytest.importorskip("triton")
+    if INTERPRET and device == "cpu" and dtype != torch.float32:
+        pytest.skip("the interpreter's bf16 casts truncate; bf16 runs on CUDA")
+    from minirt.kernels.paged_attention_triton import store_kv_triton
+    from minirt.kernels.rotary_triton import norm_and_rotate_triton, norm_rotate_and_store_triton
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, Hkv, D = 6, 4, 2, 32
+    qkv = torch.randn(1, T, (H + 2 * Hkv) * D, generator=gen).to(dtype).to(device)     # merged: strided tokens
+    q, k, v = (x.view(1, T, -1, D) for x in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    angles = torch.rand(1, T, D // 2, generator=gen) * 50
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype).to(device) for f in (torch.cos, torch.sin))
+    weights = tuple((1 + 0.3 * torch.randn(D, generator=gen)).to(dtype).to(device) for _ in range(2)) + (1e-6,)
+    weights = weights if norm else (None, None, 0.0)
+    slots = torch.tensor([9, 2, 17, 4, 30, 11], device=device)
+    fill = torch.randn(8, 4, Hkv, D, generator=gen).to(dtype).to(device)             # 8 blocks of 4 slots
+    k_cache, v_cache = fill.clone(), -fill
+    q_want, k_rot = norm_and_rotate_triton(q, k, cos, sin, *weights)
+    store_kv_triton(k_cache, v_cache, k_rot[0], v[0], slots)
+    k_got, v_got = fill.clone(), -fill
+    q_got = norm_rotate_and_store_triton(q, k, v, cos, sin, *weights, k_got, v_got, slots)
+    assert torch.equal(q_got, q_want) and torch.equal(k_got, k_cache) and torch.equal(v_got, v_cache)
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[slots.cpu()] = False
+    assert torch.equal(k_got.view(32, Hkv, D)[untouched.to(device)], fill.view(32, Hkv, D)[untouched.to(device)])
+
+
+def test_norm_rotate_and_store_argument_errors():
+    pytest.importorskip("triton")
+    from minirt.kernels.rotary_triton import norm_rotate_and_store_triton
+
+    q, k, v = torch.randn(1, 2, 4, 16), torch.randn(1, 2, 2, 16), torch.randn(1, 2, 2, 16)
+    cos = sin = torch.randn(1, 2, 16)
+    cache = torch.zeros(3, 4, 2, 16)
+    slots = torch.tensor([0, 5])
+    with pytest.raises(ValueError, match=r"^q: must be a packed batch \[1, num_tokens, H, D\], got \(2, 1, 4, 16\)"):
+        norm_rotate_and_store_triton(q.view(2, 1, 4, 16), k.view(2, 1, 2, 16), v.view(2, 1, 2, 16),
+                                     cos.view(2, 1, 16), sin.view(2, 1, 16), None, None, 0.0, cache, cache.clone(),
+                                     slots)
+    with pytest.raises(ValueError, match=r"^v: must be torch.float32 of k's shape \(1, 2, 2, 16\), got torch.float32 "
+                                         r"\(1, 2, 1, 16\)"):
+        norm_rotate_and_store_triton(q, k, v[:, :, :1], cos, sin, None, None, 0.0, cache, cache.clone(), slots)
+    with pytest.raises(ValueError, match=r"^k_cache: must be \[num_blocks, block_size, 2, 16\] like k"):
+        norm_rotate_and_store_triton(q, k, v, cos, sin, None, None, 0.0, torch.zeros(3, 4, 2, 8), torch.zeros(3, 4, 2, 8),
+                                     slots)
+    with pytest.raises(ValueError, match=r"^slot_mapping: must be a contiguous \[2\] tensor"):
+        norm_rotate_and_store_triton(q, k, v, cos, sin, None, None, 0.0, cache, cache.clone(), slots[:1])
+    with pytest.raises(ValueError, match=r"^cos/sin: must be contiguous \[1, 2, 16\]"):
+        norm_rotate_and_store_triton(q, k, v, cos, torch.randn(1, 2, 8), None, None, 0.0, cache, cache.clone(), slots)

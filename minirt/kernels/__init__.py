@@ -54,9 +54,11 @@ def num_sms(device: torch.device) -> int:
 
 def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bool | None,
                           head_dim: int | None = None, rotary_kernel: bool | None = None,
-                          pdl: bool | None = None) -> None:
+                          pdl: bool | None = None, kv_write_in_rotary: bool | None = None,
+                          combine_in_attention: bool | None = None) -> None:
     """Raise ValueError naming the field if a Triton switch is asked for explicitly (`attention_backend="triton"`,
-    `gemv=True`, `rotary_kernel=True`, `pdl=True`) and cannot run on `device`. Callable before any model is
+    `gemv=True`, `rotary_kernel=True`, `pdl=True`, `kv_write_in_rotary=True`, `combine_in_attention=True`) and
+    cannot run on `device`. Callable before any model is
     loaded: head_dim None skips its checks (the rotary kernel also needs a power-of-two head_dim)."""
     missing = triton_missing(device, head_dim)
     if missing and attention_backend == "triton":
@@ -64,6 +66,9 @@ def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bo
     if missing and rotary_kernel:
         raise ValueError(f"rotary_kernel: the Triton kernel needs {' and '.join(missing)}")
     missing = triton_missing(device)
+    for name, asked in (("kv_write_in_rotary", kv_write_in_rotary), ("combine_in_attention", combine_in_attention)):
+        if missing and asked:
+            raise ValueError(f"{name}: the Triton kernel it runs in needs {' and '.join(missing)}")
     if missing and gemv:
         raise ValueError(f"gemv: the Triton matrix-vector kernel needs {' and '.join(missing)}")
     if pdl and (missing := pdl_missing(device)):

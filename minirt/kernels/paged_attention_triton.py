@@ -26,11 +26,11 @@ from minirt.kernels import num_sms
 
 @triton.jit
 def _paged_attention_kernel(
-    Q, K, V, Out, PartAcc, PartM, PartL, block_tables, context_lens, query_start_loc, scale,
+    Q, K, V, Out, PartAcc, PartM, PartL, Counters, block_tables, context_lens, query_start_loc, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, LAST_COMBINES: tl.constexpr,
 ):
     if PDL:     # programmatic dependent launch: every program waits for the kernel before, before any load
         tl.extra.cuda.gdc_launch_dependents()
@@ -94,6 +94,45 @@ def _paged_attention_kernel(
         tl.store(PartAcc + row[:, None] * HEAD_DIM + d[None, :], acc, mask=row_ok[:, None])
         tl.store(PartM + row, m_i, mask=row_ok)
         tl.store(PartL + row, l_i, mask=row_ok)
+        if LAST_COMBINES:
+            _last_split_combines(Out, PartAcc, PartM, PartL, Counters, row - split, q_start + tok, head, row_ok,
+                                 (seq * tl.num_programs(1) + kv_head) * (tl.num_programs(2) // NUM_SPLITS) + tile,
+                                 stride_ot, stride_oh, BLOCK_M, HEAD_DIM, NUM_SPLITS)
+
+
+@triton.jit
+def _last_split_combines(Out, PartAcc, PartM, PartL, Counters, row0, token, head, row_ok, counter,
+                         stride_ot, stride_oh, BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr,
+                         NUM_SPLITS: tl.constexpr):
+    """The combine of `_combine_splits_kernel`, done by whichever split of a (sequence, KV head, tile) finishes
+    last, so that no second kernel is launched. Each split counts itself in with an atomic add on the group's
+    counter after its partial results are stored; the one that draws NUM_SPLITS - 1 knows the others' results are
+    written, combines the rows row0 .. row0 + NUM_SPLITS - 1 of each query row, and sets the counter back to 0
+    for the next launch (CUTLASS's serial split-K reduction and the CUDA sample `threadFenceReduction` use
+    the same "last block" pattern).
+
+    Memory order: the barrier puts every thread's stores before the count, whose release (gpu scope) makes
+    them visible to the program that acquires the final count; that program reads with `.cg` (from L2, not a
+    possibly stale L1 line of an earlier launch)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(Counters + counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:
+        tl.atomic_xchg(Counters + counter, 0, sem="relaxed", scope="gpu")
+        s = tl.arange(0, NUM_SPLITS)
+        d = tl.arange(0, HEAD_DIM)
+        m = tl.load(PartM + row0[:, None] + s[None, :], mask=row_ok[:, None], other=0.0, cache_modifier=".cg")
+        big_m = tl.max(m, 1)                                                   # M, per query row
+        l = tl.load(PartL + row0[:, None] + s[None, :], mask=row_ok[:, None], other=1.0, cache_modifier=".cg")
+        out = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        for j in tl.static_range(NUM_SPLITS):                                # one split's [BLOCK_M, HEAD_DIM] at a time
+            m_j = tl.load(PartM + row0 + j, mask=row_ok, other=0.0, cache_modifier=".cg")
+            w_j = tl.exp(m_j - big_m)
+            acc = tl.load(PartAcc + (row0 + j)[:, None] * HEAD_DIM + d[None, :], mask=row_ok[:, None], other=0.0,
+                          cache_modifier=".cg")
+            out += w_j[:, None] * acc
+        out = out / tl.sum(tl.exp(m - big_m[:, None]) * l, 1)[:, None]
+        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
@@ -127,8 +166,8 @@ def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: t
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           meta: PagedAttentionMetadata, num_splits: int | None = None, pdl: bool = False
-                           ) -> torch.Tensor:
+                           meta: PagedAttentionMetadata, num_splits: int | None = None, pdl: bool = False,
+                           split_counters: torch.Tensor | None = None) -> torch.Tensor:
     """q `[num_tokens, H, D]`, k/v cache `[num_blocks, block_size, Hkv, D]` -> `[num_tokens, H, D]`.
 
     num_splits: programs per (sequence, KV head) that share its keys (a power of two; split-KV, Dao et al.
@@ -137,6 +176,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     pdl: launch both kernels with programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`):
     each may start while the kernel before it finishes and waits for it before its first load, which hides the
     launch. Needs `minirt.kernels.pdl_missing(q.device)` empty; not checked here.
+    split_counters: None combines split results with a second kernel. A zeroed int32 tensor of at least
+    `num_seqs * Hkv` elements (`split_counters_for`) lets the last split of each (sequence, KV head) to finish
+    combine them inside the attention kernel instead (one launch fewer; see `_last_split_combines`). The kernel
+    leaves it zeroed again, so one buffer serves every launch on a stream, CUDA graph replays included. Raises
+    ValueError naming split_counters if it is too small or not int32 on q's device.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -154,19 +198,35 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = part_m = part_l = out                       # unused
     grid = (meta.context_lens.shape[0], num_kv_heads,
             triton.cdiv(meta.max_query_len, tokens_per_tile) * num_splits)
+    last_combines = num_splits > 1 and split_counters is not None
+    if last_combines:
+        need = grid[0] * grid[1] * (grid[2] // num_splits)
+        if (split_counters.dtype != torch.int32 or split_counters.device != q.device
+                or not split_counters.is_contiguous() or split_counters.numel() < need):
+            raise ValueError(f"split_counters: must be a contiguous int32 tensor on {q.device} with at least {need} "
+                             f"elements (sequences x KV heads x query tiles), got {split_counters.dtype}, "
+                             f"{split_counters.numel()} elements on {split_counters.device}")
     block_tables = meta.block_tables.contiguous()
     launch = {"launch_pdl": True} if pdl else {}
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_m, part_l, block_tables, meta.context_lens, meta.query_start_loc,
+        q, k_cache, v_cache, out, part_acc, part_m, part_l, split_counters if last_combines else out, block_tables,
+        meta.context_lens, meta.query_start_loc,
         head_dim ** -0.5,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_N=64,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl, **launch)
-    if num_splits > 1:
+        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl, LAST_COMBINES=last_combines, **launch)
+    if num_splits > 1 and not last_combines:
         _combine_splits_kernel[(num_tokens, num_heads)](out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
                                                         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, **launch)
     return out
+
+
+def split_counters_for(max_num_seqs: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
+    """The zeroed int32 buffer `paged_attention_triton(split_counters=...)` counts finished splits in, for decode
+    batches of up to max_num_seqs sequences (one query tile each). Allocate it once, before any CUDA graph
+    capture; the kernel keeps it zeroed between launches."""
+    return torch.zeros(max_num_seqs * num_kv_heads, dtype=torch.int32, device=device)
 
 
 @triton.jit
@@ -195,8 +255,20 @@ def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
     Slots are not range-checked (that would need a device sync): each must be in `[0, num_blocks * block_size)`,
     as the block pool hands them out. pdl: as in `paged_attention_triton`.
     """
+    check_store_kv_args(k_cache, v_cache, k, v, slot_mapping)
     num_tokens, num_kv_heads, head_dim = k.shape
     row = num_kv_heads * head_dim
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                                    k_cache.stride(1), ROW=row, BLOCK=triton.next_power_of_2(row), PDL=pdl,
+                                    **({"launch_pdl": True} if pdl else {}))
+
+
+def check_store_kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> None:
+    """The layouts `store_kv_triton` (and `norm_rotate_and_store_triton`) write, or ValueError naming the argument."""
+    num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape:
         raise ValueError(f"v: must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -212,8 +284,3 @@ def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tenso
         if x.stride(2) != 1 or x.stride(1) != head_dim:
             raise ValueError(f"k/v: each token's {num_kv_heads} x {head_dim} values must be contiguous, "
                              f"got strides {tuple(x.stride())}")
-    if num_tokens == 0:
-        return
-    _store_kv_kernel[(num_tokens,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                    k_cache.stride(1), ROW=row, BLOCK=triton.next_power_of_2(row), PDL=pdl,
-                                    **({"launch_pdl": True} if pdl else {}))

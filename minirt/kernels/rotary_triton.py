@@ -31,8 +31,9 @@ def _round(x, DT: tl.constexpr):
 
 @triton.jit
 def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, stride_qt, stride_kt, stride_ct,
+                        V, VCache, slot_mapping, stride_vt, stride_slot,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+                        ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
     if PDL:     # programmatic dependent launch: wait for the projection that wrote q and k
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -42,13 +43,23 @@ def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, stride_qt, stri
     half: tl.constexpr = ROT // 2
     rotated = d < ROT
     partner = tl.where(d < half, d + half, d - half)                 # rotate_half's source channel
+    if STORE:   # KOut is the layer's K cache: token's K goes to its slot, and programs past q's and k's heads copy V
+        slot = tl.load(slot_mapping + token).to(tl.int64)
+        if head >= NUM_HEADS + NUM_KV_HEADS:
+            v_head = head - NUM_HEADS - NUM_KV_HEADS
+            tl.store(VCache + slot * stride_slot + v_head * HEAD_DIM + d,
+                     tl.load(V + token * stride_vt + v_head * HEAD_DIM + d))
+            return
+        k_dst = KOut + slot * stride_slot + (head - NUM_HEADS) * HEAD_DIM
+    else:
+        k_dst = KOut + (token * NUM_KV_HEADS + head - NUM_HEADS) * HEAD_DIM
     if head < NUM_HEADS:
         src = Q + token * stride_qt + head * HEAD_DIM
         dst = QOut + (token * NUM_HEADS + head) * HEAD_DIM
         w_ptr = QW
     else:
         src = K + token * stride_kt + (head - NUM_HEADS) * HEAD_DIM
-        dst = KOut + (token * NUM_KV_HEADS + head - NUM_HEADS) * HEAD_DIM
+        dst = k_dst
         w_ptr = KW
     # Rounded to the output dtype after each op, as the eager reference and transformers round, so that a
     # bf16 model gives transformers' values (float32: every cast is a no-op).
@@ -66,18 +77,9 @@ def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, stride_qt, stri
     tl.store(dst + d, out.to(QOut.dtype.element_ty))
 
 
-def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
-                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`minirt.model.layers.norm_and_rotate` in one kernel: q `[B, T, H, D]`, k `[B, T, Hkv, D]` (each token's
-    heads contiguous; tokens may be strided, as slices of a merged q/k/v projection are), cos/sin `[B, T, R]`
-    with R <= D even, q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k. D must be a power
-    of two. Computes in float32, rounding to q's dtype after each op as the eager reference does (equal results
-    when cos, sin and the weights are in q's dtype too, as in the model). pdl: launch with
-    programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`). Raises ValueError naming the
-    argument for layouts it cannot read."""
+def _check(q, k, cos, sin, q_weight, k_weight):
+    """The layouts the kernel reads, or ValueError naming the argument."""
     B, T, num_heads, head_dim = q.shape
-    num_kv_heads = k.shape[2]
     rot = cos.shape[-1]
     if k.shape[:2] != (B, T) or k.shape[3] != head_dim:
         raise ValueError(f"k: must be [{B}, {T}, Hkv, {head_dim}] like q, got {tuple(k.shape)}")
@@ -95,13 +97,61 @@ def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
                              f"got strides {tuple(x.stride())}")
     if (q_weight is None) != (k_weight is None):
         raise ValueError("q_weight/k_weight: give both or neither")
-    q_out = torch.empty(B, T, num_heads, head_dim, dtype=q.dtype, device=q.device)
-    k_out = torch.empty(B, T, num_kv_heads, head_dim, dtype=k.dtype, device=k.device)
+
+
+def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl, store=None):
+    """One launch: grid (tokens, q heads + k heads [+ v heads when store = (v, v_cache, slot_mapping)])."""
+    B, T, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[2]
     if B * T == 0:
-        return q_out, k_out
+        return
     norm = q_weight is not None
-    _norm_rotate_kernel[(B * T, num_heads + num_kv_heads)](
+    v, v_cache, slots = store if store is not None else (q, q, q)       # unused without store
+    _norm_rotate_kernel[(B * T, num_heads + num_kv_heads * (2 if store is not None else 1))](
         q, k, q_out, k_out, cos, sin, q_weight if norm else q, k_weight if norm else k, eps,
-        q.stride(1), k.stride(1), rot, NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        ROT=rot, NORM=norm, PDL=pdl, **({"launch_pdl": True} if pdl else {}))
+        q.stride(1), k.stride(1), cos.shape[-1], v, v_cache, slots, v.stride(-3), v_cache.stride(1),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=cos.shape[-1], NORM=norm, PDL=pdl,
+        STORE=store is not None, **({"launch_pdl": True} if pdl else {}))
+
+
+def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                           q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
+                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`minirt.model.layers.norm_and_rotate` in one kernel: q `[B, T, H, D]`, k `[B, T, Hkv, D]` (each token's
+    heads contiguous; tokens may be strided, as slices of a merged q/k/v projection are), cos/sin `[B, T, R]`
+    with R <= D even, q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k. D must be a power
+    of two. Computes in float32, rounding to q's dtype after each op as the eager reference does (equal results
+    when cos, sin and the weights are in q's dtype too, as in the model). pdl: launch with
+    programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`). Raises ValueError naming the
+    argument for layouts it cannot read."""
+    _check(q, k, cos, sin, q_weight, k_weight)
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                                                                                   device=k.device)
+    _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl)
     return q_out, k_out
+
+
+def norm_rotate_and_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                                 sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
+                                 eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 slot_mapping: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+    """`minirt.model.layers.norm_rotate_and_store` in one kernel: `norm_and_rotate_triton` whose programs for k
+    write each rotated key straight into its slot of the paged cache, with Hkv more programs copying v into
+    v_cache, so the backend's K/V write (`store_kv_triton`) is not launched. vLLM and SGLang fuse the rotary
+    embedding with the KV-cache write the same way on their fast decode paths.
+
+    q, k, cos, sin, weights, eps: as `norm_and_rotate_triton`, with B = 1 (a packed batch); v `[1, T, Hkv, D]`
+    laid out like k; k_cache/v_cache `[num_blocks, block_size, Hkv, D]` and slot_mapping `[T]`: as
+    `minirt.kernels.paged_attention_triton.store_kv_triton`, which checks them. Returns the rotated q
+    `[1, T, H, D]`. Raises ValueError naming the argument."""
+    from minirt.kernels.paged_attention_triton import check_store_kv_args
+
+    _check(q, k, cos, sin, q_weight, k_weight)
+    if q.shape[0] != 1:
+        raise ValueError(f"q: must be a packed batch [1, num_tokens, H, D], got {tuple(q.shape)}")
+    if v.shape != k.shape or v.dtype != k.dtype:
+        raise ValueError(f"v: must be {k.dtype} of k's shape {tuple(k.shape)}, got {v.dtype} {tuple(v.shape)}")
+    check_store_kv_args(k_cache, v_cache, k[0], v[0], slot_mapping)
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_cache, pdl, store=(v, v_cache, slot_mapping))
+    return q_out

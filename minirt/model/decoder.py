@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from minirt.attention import CausalAttention
+from minirt.attention import CausalAttention, PagedAttention
 from minirt.model.layers import (GatedMLP, Linear, RMSNorm, RotaryEmbedding, fused, head_dim_of, merge_linears,
                                  norm_and_rotate)
 
@@ -31,6 +31,7 @@ AttentionBackend = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], tor
 class DecoderAttention(nn.Module):
     fuse = False            # True: q/k norm and rotation run compiled (`minirt.model.layers.fused`)
     rotary_kernel = None    # or a function with `norm_and_rotate`'s contract, used instead (chapter 07)
+    rotary_store = None     # or one with `norm_rotate_and_store`'s: it also writes K/V into a paged cache (chapter 07)
 
     def __init__(self, config, layer_idx: int, qkv_bias: bool, qk_norm: bool):
         super().__init__()
@@ -73,9 +74,14 @@ class DecoderAttention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         norm_weights = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        rotate = self.rotary_kernel or (fused(norm_and_rotate) if self.fuse else norm_and_rotate)
-        q, k = rotate(q, k, cos, sin, *norm_weights)
-        out = attn(self.layer_idx, q, k, v)
+        if self.rotary_store is not None and isinstance(attn, PagedAttention):    # K/V written by the rotation
+            q = self.rotary_store(q, k, v, cos, sin, *norm_weights, *attn.kv_cache[self.layer_idx],
+                                  attn.meta.slot_mapping)
+            out = attn.attend(self.layer_idx, q)
+        else:
+            rotate = self.rotary_kernel or (fused(norm_and_rotate) if self.fuse else norm_and_rotate)
+            q, k = rotate(q, k, cos, sin, *norm_weights)
+            out = attn(self.layer_idx, q, k, v)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
 
 
@@ -203,6 +209,14 @@ class DecoderModel(nn.Module):
         or, with None, as `norm_and_rotate` (compiled when `set_fused_ops(True)`)."""
         for layer in self.model.layers:
             layer.self_attn.rotary_kernel = kernel
+
+    def set_rotary_store(self, kernel) -> None:
+        """With a paged attention backend (`minirt.attention.PagedAttention`), run every layer's q/k norm, rotation
+        and K/V write with `kernel` (a function with `minirt.model.layers.norm_rotate_and_store`'s contract, e.g.
+        `minirt.kernels.rotary_triton.norm_rotate_and_store_triton`), and the backend's attention alone; None: the
+        rotation (`set_rotary_kernel`), then the backend's write and attention. Other backends ignore it."""
+        for layer in self.model.layers:
+            layer.self_attn.rotary_store = kernel
 
     def set_norm_in_gemv(self, enabled: bool) -> None:
         """Run each layer's two norms in the prologue of the GEMV after them when a step has one token

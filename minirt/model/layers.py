@@ -144,6 +144,22 @@ def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def norm_rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`norm_and_rotate`, then the K/V write of a paged backend (`minirt.attention.store_kv`) of the rotated k and
+    of v: returns the rotated q. The contract of `DecoderAttention.rotary_store` (chapter 07), in plain torch.
+
+    q `[1, T, H, D]`, k/v `[1, T, Hkv, D]` (a packed batch), k_cache/v_cache `[num_blocks, block_size, Hkv, D]`,
+    slot_mapping `[T]`. `minirt.kernels.rotary_triton.norm_rotate_and_store_triton` does it in one kernel.
+    """
+    from minirt.attention import store_kv
+
+    q, k = norm_and_rotate(q, k, cos, sin, q_weight, k_weight, eps)
+    store_kv(k_cache, v_cache, k[0], v[0], slot_mapping)
+    return q
+
+
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
                    residual: torch.Tensor | None = None):

@@ -1,0 +1,109 @@
+"""Interleaved A/B of engine settings at batch 1: small differences that separate runs cannot resolve.
+
+    python benchmarks/ab.py [--rounds 8] [--config NAME:field=on,field=off ...] [--out benchmarks/results]
+
+Separate `bench` runs of one setting vary by a few percent (the GPU's clocks, where the KV blocks and the
+weights land), as much as one kernel fewer per layer buys. Here every setting gets its own `minirt.LLM` on the
+same random Qwen3-0.6B-shaped checkpoint, all built first and kept alive, then each round runs one request
+(512-token prompt, 256 new tokens, a new prompt per round) on each of them in turn, alternating the order
+between rounds. Prints each setting's TPOT median, minimum and every run, with the ratio of its median to the
+first setting's, and writes `ab-batch1-cuda-<date>.json`. The default settings are chapter 07's last two
+switches: the K/V write in the rotary kernel and the split-KV combine in the attention kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+
+import minirt
+from minirt.config import EngineConfig
+from minirt.bench import build_random_qwen3, environment, make_prompts, run_minirt, write_report
+from minirt.metrics import format_table
+
+DEFAULT_CONFIGS = ["neither:kv_write_in_rotary=off,combine_in_attention=off",
+                   "kv_write_in_rotary:kv_write_in_rotary=on,combine_in_attention=off",
+                   "combine_in_attention:kv_write_in_rotary=off,combine_in_attention=on",
+                   "both:kv_write_in_rotary=on,combine_in_attention=on"]
+_VALUES = {"on": True, "off": False, "auto": None}
+
+
+def parse_config(text: str) -> tuple[str, dict]:
+    """"NAME:field=value,field=value" -> (NAME, {field: value}) for `minirt.LLM`; values on/off/auto or an integer.
+    Raises ValueError naming the text, or the field (checked by `minirt.config.EngineConfig`), for anything else."""
+    name, sep, fields = text.partition(":")
+    if not name or not sep:
+        raise ValueError(f"--config: expected NAME:field=value,..., got {text!r}")
+    kwargs = {}
+    for item in filter(None, fields.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--config: expected field=value in {text!r}, got {item!r}")
+        if value in _VALUES:
+            kwargs[key] = _VALUES[value]
+        elif value.lstrip("-").isdigit():
+            kwargs[key] = int(value)
+        else:
+            raise ValueError(f"--config: {key}'s value must be on, off, auto or an integer, got {value!r}")
+    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"--config: unknown engine fields {sorted(unknown)} in {text!r}")
+    EngineConfig(**kwargs)                 # the values: raises ValueError naming the field
+    return name, kwargs
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", action="append", default=None, help="NAME:field=value,... (repeat; "
+                        "default: the K/V-write and combine switches, each on and off)")
+    parser.add_argument("--rounds", type=int, default=8, help="requests per setting (default 8)")
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    args = parser.parse_args(argv)
+    try:
+        configs = dict(parse_config(c) for c in args.config or DEFAULT_CONFIGS)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.rounds < 1:
+        print(f"error: --rounds: must be >= 1, got {args.rounds}", file=sys.stderr)
+        return 2
+    if not torch.cuda.is_available():
+        print("error: this benchmark needs a CUDA device (the settings it compares are GPU ones)", file=sys.stderr)
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    device = torch.device("cuda")
+    dev, versions = environment(device)
+    tpot = {name: [] for name in configs}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_random_qwen3(tmp, device, seed=0)
+        llms = {name: minirt.LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=8, num_kv_blocks=512,
+                                 **kwargs) for name, kwargs in configs.items()}
+        prompts = make_prompts(args.rounds + 1, (512, 512), llms[next(iter(llms))].engine.model.config.vocab_size,
+                               seed=3)
+        for llm in llms.values():                           # warm-up: compiled kernels, first-use allocations
+            run_minirt(llm, prompts[-1:], 16, device)
+        for r in range(args.rounds):
+            order = list(llms.items()) if r % 2 == 0 else list(llms.items())[::-1]
+            for name, llm in order:
+                fig, _ = run_minirt(llm, [prompts[r]], 256, device)
+                tpot[name].append(fig["tpot_p50_s"])
+    first = statistics.median(tpot[next(iter(tpot))])
+    rows = [[name, statistics.median(v) * 1e3, min(v) * 1e3, statistics.median(v) / first,
+             " ".join(f"{x * 1e3:.3f}" for x in v)] for name, v in tpot.items()]
+    print(format_table(["setting", "TPOT median ms", "min ms", "x first", "every run (ms)"], rows))
+    report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "workload": {"prompt_len": 512, "new_tokens": 256, "rounds": args.rounds},
+              "settings": configs, "tpot_s": tpot,
+              "tpot_median_s": {name: statistics.median(v) for name, v in tpot.items()}}
+    write_report(report, args.out, f"ab-batch1-cuda-{datetime.date.today()}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
