@@ -122,6 +122,11 @@ class Engine:
         if norm_in_gemv and gemv is None and (device.type != "cuda" or enforce_eager):
             raise ValueError("norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
                              f"(device {device.type}, enforce_eager={enforce_eager}); pass gemv=True where it can run")
+        no_graphs = device.type != "cuda" or enforce_eager or attention_backend == "torch"
+        if kv_write_in_rotary and rotary_kernel is None and no_graphs:
+            raise ValueError("kv_write_in_rotary: needs the rotary kernel, which is off without CUDA graphs (device "
+                             f"{device.type}, enforce_eager={enforce_eager}, attention_backend={attention_backend!r}); "
+                             "pass rotary_kernel=True where it can run")
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config

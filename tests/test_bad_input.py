@@ -188,3 +188,11 @@ def test_llm_sampling_params_of_the_wrong_type(tiny_models):
         llm.generate([[1, 2]], minirt.SamplingParams(stop_token_ids=[100000]))
     with pytest.raises(ValueError, match=r"seed: must be an integer in \[0, 2\*\*63\)"):
         minirt.SamplingParams(seed=2**70)
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="on the CPU the Triton check refuses first")
+def test_kv_write_in_rotary_refused_before_loading_where_the_rotary_kernel_resolves_off(tiny_models, monkeypatch):
+    monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    with pytest.raises(ValueError, match=r"^kv_write_in_rotary: needs the rotary kernel, which is off without CUDA "
+                                         r"graphs \(device cuda, enforce_eager=True, attention_backend='auto'\)"):
+        minirt.Engine(tiny_models["llama"], device="cuda", enforce_eager=True, kv_write_in_rotary=True)

@@ -170,13 +170,22 @@ def test_engine_switches_from_the_command_line():
                        "--merge-projections", "on", "--gemv", "off")
     assert engine_kwargs_of(args) == {"attention_backend": "torch", "split_kv": False, "enforce_eager": True,
                                       "fused_ops": False, "merge_projections": True, "gemv": False}
+    args = _bench_args("--norm-in-gemv", "off", "--rotary-kernel", "on", "--pdl", "off", "--kv-write-in-rotary", "off",
+                       "--combine-in-attention", "on", "--num-scheduler-steps", "4")
+    assert engine_kwargs_of(args) == {"norm_in_gemv": False, "rotary_kernel": True, "pdl": False,
+                                      "kv_write_in_rotary": False, "combine_in_attention": True,
+                                      "num_scheduler_steps": 4}
 
 
 @pytest.mark.parametrize("argv,words", [(["--threads", "0"], "--threads: must be an integer >= 1"),
                                         (["--attention-backend", "triton"], "attention_backend: 'triton' needs"),
                                         (["--gemv", "on"], "gemv: the Triton matrix-vector kernel needs"),
                                         (["--rotary-kernel", "on"], "rotary_kernel: the Triton kernel needs"),
-                                        (["--pdl", "on"], "pdl: programmatic dependent launch needs")])
+                                        (["--pdl", "on"], "pdl: programmatic dependent launch needs"),
+                                        (["--kv-write-in-rotary", "on"], "kv_write_in_rotary: the Triton kernel it"),
+                                        (["--combine-in-attention", "on"], "combine_in_attention: the Triton kernel it"),
+                                        (["--combine-in-attention", "on", "--no-split-kv"],
+                                         "combine_in_attention: combines split-KV results")])
 def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
     if ("triton" in argv or "on" in argv) and __import__("torch").cuda.is_available():
         pytest.skip("a valid setting on a CUDA machine")

@@ -16,11 +16,11 @@ CUDA = torch.cuda.is_available()
 INTERPRETER = TRITON_DEVICE == "cpu"         # the Triton kernels on CPU tensors, through Triton's interpreter
 
 
-def build_case(seed, block_size, num_heads, num_kv_heads, head_dim, dtype, device, num_seqs=6):
+def build_case(seed, block_size, num_heads, num_kv_heads, head_dim, dtype, device, num_seqs=6, ctx_range=(1, 90)):
     """Random sequences, each with a cached prefix and some new tokens, scattered over a shuffled pool."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    ctx_lens = [rng.randint(1, 90) for _ in range(num_seqs)]
+    ctx_lens = [rng.randint(*ctx_range) for _ in range(num_seqs)]
     q_lens = [rng.choice([1, 1, rng.randint(1, c)]) for c in ctx_lens]      # decodes and prefill chunks
     num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 5
     free = list(range(num_blocks))
@@ -127,18 +127,25 @@ def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
 
 @pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
-@pytest.mark.parametrize("num_splits", [2, 16])
+@pytest.mark.parametrize("num_splits,ctx_range", [(2, (1, 90)), (16, (1, 90)), (16, (600, 1100))],
+                         ids=["2-splits", "16-splits", "16-splits-long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_combine_in_attention_matches_sdpa(decode_only, num_splits, dtype):
+def test_split_combine_in_attention_matches_sdpa(decode_only, num_splits, ctx_range, dtype, monkeypatch):
     """Chapter 07's `combine_in_attention`: with `split_counters` the last split of each (sequence, KV head, query
-    tile) to finish combines the splits' results in the attention kernel. Against the oracle, as the two-kernel
-    path is; run twice on one counter buffer, which the kernel leaves zeroed."""
+    tile) to finish combines the splits' results in the attention kernel, and the combine kernel is never launched.
+    Against the oracle, as the two-kernel path is (long contexts: every one of the 16 splits has keys); run twice
+    on one counter buffer, which the kernel leaves zeroed."""
+    from minirt.kernels import paged_attention_triton as module
     from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for
 
     if INTERPRETER and dtype != torch.float32:
         pytest.skip("bfloat16 is checked on CUDA")
+    if INTERPRETER and not decode_only and ctx_range[0] > 90:
+        pytest.skip("prefill chunks of up to 1,100 tokens take minutes in the interpreter; CUDA runs this case")
+    monkeypatch.setattr(module, "_combine_splits_kernel", None)       # launching it would raise TypeError
     device = TRITON_DEVICE
-    q, k_cache, v_cache, meta, ks, vs, qs = build_case(71 + num_splits, 16, 16, 8, 128, dtype, device, num_seqs=3)
+    q, k_cache, v_cache, meta, ks, vs, qs = build_case(71 + num_splits, 16, 16, 8, 128, dtype, device, num_seqs=3,
+                                                       ctx_range=ctx_range)
     if decode_only:
         qs = [x[-1:] for x in qs]
         q = torch.cat(qs)
@@ -152,6 +159,37 @@ def test_split_combine_in_attention_matches_sdpa(decode_only, num_splits, dtype)
         got = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=num_splits, split_counters=counters)
         torch.testing.assert_close(got.float(), oracle(ks, vs, qs), atol=tol, rtol=tol)
         assert not counters.any()
+
+
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
+def test_each_group_of_splits_counts_on_its_own_counter():
+    """The counters are the combine's only synchronization, so each (sequence, KV head, query tile) must have its
+    own and the combine must fire at the last ticket. The counter of sequence 0, KV head 0, tile 0 starts at 1
+    instead of 0: that group combines one split early (its rows are not checked); exactly its counter ends at 1,
+    every other at 0; every other group's rows match the oracle. Every row has keys in both splits, so a group
+    that shared the first one's counter (the next tile, or the next sequence) would combine early too and come out
+    wrong, and a combine on the wrong ticket would leave that counter elsewhere than 1."""
+    from minirt.kernels.paged_attention_triton import paged_attention_triton
+
+    device = TRITON_DEVICE
+    for seed in range(1000):
+        q, k_cache, v_cache, meta, ks, vs, qs = build_case(seed, 16, 4, 2, 32, torch.float32, device, num_seqs=3,
+                                                           ctx_range=(100, 140))
+        q_lens = [x.shape[0] for x in qs]
+        if 8 < q_lens[0] and meta.max_query_len <= 24 and all(k.shape[0] - ql >= 64 for k, ql in zip(ks, q_lens)):
+            break                   # sequence 0 has two query tiles; every row sees more than the first split's 64 keys
+    else:
+        pytest.fail("no seed gave the case")
+    tiles = 3                                               # 8 tokens x 2 query heads per tile of 16 rows
+    counters = torch.zeros(3 * 2 * tiles, dtype=torch.int32, device=device)
+    counters[0] = 1
+    got = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=2, split_counters=counters).float()
+    want_counters = torch.zeros_like(counters)
+    want_counters[0] = 1
+    assert torch.equal(counters, want_counters)
+    early = torch.zeros(got.shape[:2], dtype=torch.bool, device=device)    # [num_tokens, H]: that group's rows
+    early[:8, :2] = True                                                    # tokens 0-7 of sequence 0, heads 0-1
+    torch.testing.assert_close(got[~early], oracle(ks, vs, qs)[~early], atol=2e-5, rtol=2e-5)
 
 
 def test_split_counters_refused_when_they_cannot_serve():
@@ -357,3 +395,6 @@ def test_store_kv_triton_refuses_what_it_cannot_write():
         store_kv_triton(torch.zeros(3, 4, 1, 16), torch.zeros(3, 4, 1, 16), k, k.clone(), slots)
     with pytest.raises(ValueError, match=r"^slot_mapping: must be a contiguous \[5\]"):
         store_kv_triton(cache, cache.clone(), k, k.clone(), torch.arange(10)[::2])
+    with pytest.raises(ValueError, match=r"^k_cache/v_cache: must be torch.float32 like k, got torch.float32 and "
+                                         r"torch.bfloat16"):
+        store_kv_triton(cache, cache.to(torch.bfloat16), k, k.clone(), slots)

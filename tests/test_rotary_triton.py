@@ -158,7 +158,8 @@ def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm
     gen = torch.Generator().manual_seed(5)
     T, H, Hkv, D = 6, 4, 2, 32
     qkv = torch.randn(1, T, (H + 2 * Hkv) * D, generator=gen).to(dtype).to(device)     # merged: strided tokens
-    q, k, v = (x.view(1, T, -1, D) for x in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    q, k, _ = (x.view(1, T, -1, D) for x in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
+    v = torch.randn(1, T, Hkv, D, generator=gen).to(dtype).to(device)              # its own tensor: v's strides
     angles = torch.rand(1, T, D // 2, generator=gen) * 50
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype).to(device) for f in (torch.cos, torch.sin))
     weights = tuple((1 + 0.3 * torch.randn(D, generator=gen)).to(dtype).to(device) for _ in range(2)) + (1e-6,)

@@ -177,8 +177,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     each may start while the kernel before it finishes and waits for it before its first load, which hides the
     launch. Needs `minirt.kernels.pdl_missing(q.device)` empty; not checked here.
     split_counters: None combines split results with a second kernel. A zeroed int32 tensor of at least
-    `num_seqs * Hkv` elements (`split_counters_for`) lets the last split of each (sequence, KV head) to finish
-    combine them inside the attention kernel instead (one launch fewer; see `_last_split_combines`). The kernel
+    `num_seqs * Hkv * query tiles` elements (one per group of splits; a decode batch has one query tile per
+    sequence, `split_counters_for`) lets the last split of each (sequence, KV head, query tile) to finish combine
+    them inside the attention kernel instead (one launch fewer; see `_last_split_combines`). The kernel
     leaves it zeroed again, so one buffer serves every launch on a stream, CUDA graph replays included. Raises
     ValueError naming split_counters if it is too small or not int32 on q's device.
     """
@@ -271,6 +272,8 @@ def check_store_kv_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.T
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape:
         raise ValueError(f"v: must have k's shape {tuple(k.shape)}, got {tuple(v.shape)}")
+    if k_cache.dtype != k.dtype or v_cache.dtype != k.dtype:
+        raise ValueError(f"k_cache/v_cache: must be {k.dtype} like k, got {k_cache.dtype} and {v_cache.dtype}")
     if v_cache.shape != k_cache.shape or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache/v_cache: must be contiguous and of one shape, got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
