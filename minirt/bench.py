@@ -422,25 +422,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="minirt's attention kernel (EngineConfig.attention_backend)")
     p.add_argument("--no-split-kv", action="store_true", help="minirt's Triton kernel without split-KV decode")
     p.add_argument("--enforce-eager", action="store_true", help="minirt without CUDA graphs")
-    p.add_argument("--fused-ops", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's torch.compile-fused elementwise ops (auto: on CUDA only)")
-    p.add_argument("--merge-projections", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's merged q/k/v and gate/up GEMMs (auto: on CUDA only)")
-    p.add_argument("--gemv", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's Triton matrix-vector kernel for one-row GEMMs (auto: with CUDA graphs)")
     p.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
                    help="minirt's decode steps per schedule when all requests decode (default: 8 with CUDA graphs, else 1)")
-    p.add_argument("--norm-in-gemv", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's norms in the GEMV kernel's prologue for one-token steps (auto: with gemv, merged)")
-    p.add_argument("--rotary-kernel", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's q/k norm and rotation in one Triton kernel (auto: with CUDA graphs)")
-    p.add_argument("--pdl", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's Triton kernels with programmatic dependent launch (auto: with CUDA graphs, Hopper+)")
-    p.add_argument("--kv-write-in-rotary", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's K/V cache write inside the rotary kernel (auto: with the rotary kernel)")
-    p.add_argument("--combine-in-attention", choices=["auto", "on", "off"], default="auto",
-                   help="minirt's split-KV combine inside the attention kernel (auto: off; slower where PDL runs)")
+    for name, what in ON_OFF_SWITCHES:
+        p.add_argument("--" + name.replace("_", "-"), choices=["auto", "on", "off"], default="auto", help=what)
     return p
+
+
+#: The `EngineConfig` switches the bench takes as `--name on|off|auto` (auto: the engine's default), with their help.
+ON_OFF_SWITCHES = (
+    ("fused_ops", "minirt's torch.compile-fused elementwise ops (auto: on CUDA only)"),
+    ("merge_projections", "minirt's merged q/k/v and gate/up GEMMs (auto: on CUDA only)"),
+    ("gemv", "minirt's Triton matrix-vector kernel for one-row GEMMs (auto: with CUDA graphs)"),
+    ("norm_in_gemv", "minirt's norms in the GEMV kernel's prologue for one-token steps (auto: with gemv, merged)"),
+    ("rotary_kernel", "minirt's q/k norm and rotation in one Triton kernel (auto: with CUDA graphs)"),
+    ("pdl", "minirt's Triton kernels with programmatic dependent launch (auto: with CUDA graphs, Hopper+)"),
+    ("kv_write_in_rotary", "minirt's K/V cache write inside the rotary kernel (auto: with the rotary kernel)"),
+    ("combine_in_attention", "minirt's split-KV combine inside the attention kernel (auto: off; slower where PDL runs)"),
+)
 
 
 def engine_kwargs_of(args) -> dict:
@@ -452,8 +451,7 @@ def engine_kwargs_of(args) -> dict:
         kwargs["split_kv"] = False
     if args.enforce_eager:
         kwargs["enforce_eager"] = True
-    for name in ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
-                 "combine_in_attention"):
+    for name, _ in ON_OFF_SWITCHES:
         if getattr(args, name) != "auto":
             kwargs[name] = getattr(args, name) == "on"
     if args.num_scheduler_steps is not None:
