@@ -1,13 +1,14 @@
 """Interleaved A/B of engine settings at batch 1: small differences that separate runs cannot resolve.
 
-    python benchmarks/ab.py [--rounds 8] [--config NAME:field=on,field=off ...] [--out benchmarks/results]
+    python benchmarks/ab.py [--rounds 8] [--config NAME:field=on,field=off ...] [--label LABEL]
+                            [--out benchmarks/results]
 
 Separate `bench` runs of one setting vary by a few percent (the GPU's clocks, where the KV blocks and the
 weights land), as much as one kernel fewer per layer buys. Here every setting gets its own `minirt.LLM` on the
 same random Qwen3-0.6B-shaped checkpoint, all built first and kept alive, then each round runs one request
 (512-token prompt, 256 new tokens, a new prompt per round) on each of them in turn, alternating the order
 between rounds. Prints each setting's TPOT median, minimum and every run, with the ratio of its median to the
-first setting's, and writes `ab-batch1-cuda-<date>.json`. The default settings are chapter 07's last two
+first setting's, and writes `ab-batch1-cuda-<date>[-LABEL].json`. The default settings are two of chapter 07's
 switches: the K/V write in the rotary kernel and the split-KV combine in the attention kernel.
 """
 
@@ -63,12 +64,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", action="append", default=None, help="NAME:field=value,... (repeat; "
                         "default: the K/V-write and combine switches, each on and off)")
     parser.add_argument("--rounds", type=int, default=8, help="requests per setting (default 8)")
+    parser.add_argument("--label", default="", help="appended to the JSON file's name (letters, digits, '-')")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args(argv)
     try:
         configs = dict(parse_config(c) for c in args.config or DEFAULT_CONFIGS)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.label and not all(c.isalnum() or c == "-" for c in args.label):
+        print(f"error: --label: only letters, digits and '-', got {args.label!r}", file=sys.stderr)
         return 2
     if args.rounds < 1:
         print(f"error: --rounds: must be >= 1, got {args.rounds}", file=sys.stderr)
@@ -101,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
               "workload": {"prompt_len": 512, "new_tokens": 256, "rounds": args.rounds},
               "settings": configs, "tpot_s": tpot,
               "tpot_median_s": {name: statistics.median(v) for name, v in tpot.items()}}
-    write_report(report, args.out, f"ab-batch1-cuda-{datetime.date.today()}")
+    write_report(report, args.out, "-".join(filter(None, ["ab-batch1-cuda", str(datetime.date.today()), args.label])))
     return 0
 
 

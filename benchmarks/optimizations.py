@@ -39,7 +39,7 @@ from minirt.metrics import format_table
 #: (label, minirt.LLM settings): each step adds one optimization to the one before.
 _OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False,
             gemv=False, num_scheduler_steps=1, norm_in_gemv=False, rotary_kernel=False, pdl=False,
-            kv_write_in_rotary=False, combine_in_attention=False)
+            kv_write_in_rotary=False, combine_in_attention=False, prefetch_kv=False)
 _GRAPHS = {**_OFF, "attention_backend": "triton", "enforce_eager": False}
 STEPS = [
     ("eager, torch attention", _OFF),
@@ -62,6 +62,10 @@ STEPS = [
     ("+ K/V write in the rotary kernel", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
                                           "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True,
                                           "rotary_kernel": True, "pdl": True, "kv_write_in_rotary": True}),
+    ("+ K/V prefetch before the PDL wait", {**_GRAPHS, "fused_ops": True, "merge_projections": True,
+                                            "split_kv": True, "gemv": True, "num_scheduler_steps": 8,
+                                            "norm_in_gemv": True, "rotary_kernel": True, "pdl": True,
+                                            "kv_write_in_rotary": True, "prefetch_kv": True}),
 ]
 
 

@@ -324,6 +324,7 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             "pdl": engine.pdl,
             "kv_write_in_rotary": engine.model.model.layers[0].self_attn.rotary_store is not None,
             "combine_in_attention": "split_counters" in getattr(kernel, "keywords", {}),
+            "prefetch_kv": bool(getattr(kernel, "keywords", {}).get("prefetch_kv", False)),
             "num_kv_blocks": engine.config.num_kv_blocks,
             "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size
@@ -439,6 +440,7 @@ ON_OFF_SWITCHES = (
     ("pdl", "minirt's Triton kernels with programmatic dependent launch (auto: with CUDA graphs, Hopper+)"),
     ("kv_write_in_rotary", "minirt's K/V cache write inside the rotary kernel (auto: with the rotary kernel)"),
     ("combine_in_attention", "minirt's split-KV combine inside the attention kernel (auto: off; slower where PDL runs)"),
+    ("prefetch_kv", "minirt's attention kernel loads earlier steps' K/V before its PDL wait (auto: with PDL)"),
 )
 
 
@@ -479,7 +481,8 @@ def run(args) -> int:
         refuse_missing_triton(device, engine_kwargs.get("attention_backend", "auto"), engine_kwargs.get("gemv"),
                               rotary_kernel=engine_kwargs.get("rotary_kernel"), pdl=engine_kwargs.get("pdl"),
                               kv_write_in_rotary=engine_kwargs.get("kv_write_in_rotary"),
-                              combine_in_attention=engine_kwargs.get("combine_in_attention"))
+                              combine_in_attention=engine_kwargs.get("combine_in_attention"),
+                              prefetch_kv=engine_kwargs.get("prefetch_kv"))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -51,6 +51,10 @@ class EngineConfig:
     inside the attention kernel instead of a second kernel (see `paged_attention_triton`'s `split_counters`);
     needs the Triton attention kernel and split_kv. Off by default: one launch fewer, but slower on an H200 with
     PDL, which already hides the second kernel's launch (chapter 07 shows the measurement).
+    prefetch_kv: with PDL, in split-KV launches (small decode batches) the Triton attention kernel loads the keys
+    and values of earlier steps (its first tile) before it waits for the kernel before it, and only q and this
+    step's keys after (see `paged_attention_triton`'s `prefetch_kv`); False: it waits first. Needs pdl and the
+    Triton attention kernel. None = wherever both are on.
     """
 
     block_size: int = 16
@@ -72,6 +76,7 @@ class EngineConfig:
     pdl: bool | None = None
     kv_write_in_rotary: bool | None = None
     combine_in_attention: bool = False
+    prefetch_kv: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -91,7 +96,8 @@ class EngineConfig:
                            ("gemv", "with CUDA graphs"), ("norm_in_gemv", "with gemv and merged projections"),
                            ("rotary_kernel", "with CUDA graphs"),
                            ("pdl", "with CUDA graphs where it can run"),
-                           ("kv_write_in_rotary", "with the rotary kernel")):
+                           ("kv_write_in_rotary", "with the rotary kernel"),
+                           ("prefetch_kv", "with PDL and the Triton attention kernel")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}: must be a bool or None (None = {auto}), got {value!r}")
@@ -105,6 +111,10 @@ class EngineConfig:
         if self.combine_in_attention and (not self.split_kv or self.attention_backend == "torch"):
             raise ValueError("combine_in_attention: combines split-KV results in the Triton attention kernel, so it "
                              f"needs split_kv and that kernel, got split_kv={self.split_kv!r}, "
+                             f"attention_backend={self.attention_backend!r}")
+        if self.prefetch_kv and (self.pdl is False or self.attention_backend == "torch"):
+            raise ValueError("prefetch_kv: loads K/V before the PDL wait of the Triton attention kernel, so it "
+                             f"needs pdl and that kernel, got pdl={self.pdl!r}, "
                              f"attention_backend={self.attention_backend!r}")
 
 

@@ -110,15 +110,18 @@ class Engine:
                  fused_ops: bool | None = None, merge_projections: bool | None = None, gemv: bool | None = None,
                  num_scheduler_steps: int | None = None, norm_in_gemv: bool | None = None,
                  rotary_kernel: bool | None = None, pdl: bool | None = None,
-                 kv_write_in_rotary: bool | None = None, combine_in_attention: bool = False):
+                 kv_write_in_rotary: bool | None = None, combine_in_attention: bool = False,
+                 prefetch_kv: bool | None = None):
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                    max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
                                    split_kv, enforce_eager, fused_ops, merge_projections, gemv, num_scheduler_steps,
-                                   norm_in_gemv, rotary_kernel, pdl, kv_write_in_rotary, combine_in_attention)
+                                   norm_in_gemv, rotary_kernel, pdl, kv_write_in_rotary, combine_in_attention,
+                                   prefetch_kv)
         device = resolve_device(device)
         # Before the checkpoint takes any memory; once it is loaded, again with its head_dim.
         refuse_missing_triton(device, attention_backend, gemv, rotary_kernel=rotary_kernel, pdl=pdl,
-                              kv_write_in_rotary=kv_write_in_rotary, combine_in_attention=combine_in_attention)
+                              kv_write_in_rotary=kv_write_in_rotary, combine_in_attention=combine_in_attention,
+                              prefetch_kv=prefetch_kv)
         if norm_in_gemv and gemv is None and (device.type != "cuda" or enforce_eager):
             raise ValueError("norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
                              f"(device {device.type}, enforce_eager={enforce_eager}); pass gemv=True where it can run")
@@ -127,6 +130,10 @@ class Engine:
             raise ValueError("kv_write_in_rotary: needs the rotary kernel, which is off without CUDA graphs (device "
                              f"{device.type}, enforce_eager={enforce_eager}, attention_backend={attention_backend!r}); "
                              "pass rotary_kernel=True where it can run")
+        if prefetch_kv and pdl is None and no_graphs:
+            raise ValueError("prefetch_kv: needs PDL, which is off without CUDA graphs (device "
+                             f"{device.type}, enforce_eager={enforce_eager}, attention_backend={attention_backend!r}); "
+                             "pass pdl=True where it can run")
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config
@@ -145,8 +152,15 @@ class Engine:
         use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
         use_gemv = use_graphs if gemv is None else gemv         # None: where graphs hide its launch cost
         use_pdl = (use_graphs and not pdl_missing(self.device)) if pdl is None else pdl
-        if use_pdl and kernel is not paged_attention_reference:
-            kernel, store = functools.partial(kernel, pdl=True), functools.partial(store, pdl=True)
+        triton_attention = kernel is not paged_attention_reference
+        if prefetch_kv is None:
+            prefetch_kv = bool(use_pdl and triton_attention)
+        elif prefetch_kv and not (use_pdl and triton_attention):
+            raise ValueError("prefetch_kv: needs pdl and the Triton attention kernel, which resolved to "
+                             f"{bool(use_pdl)} and {triton_attention} (device {self.device.type})")
+        if use_pdl and triton_attention:
+            kernel = functools.partial(kernel, pdl=True, prefetch_kv=prefetch_kv)
+            store = functools.partial(store, pdl=True)
         if combine_in_attention and not (kernel is not paged_attention_reference and split_kv):
             raise ValueError("combine_in_attention: needs the Triton attention kernel with split_kv, which did not "
                              f"resolve on (device {self.device.type})")

@@ -123,7 +123,7 @@ def test_bad_request_ids_and_timeouts(tiny_models, engine_kw):
                                          ("split_kv", 1), ("enforce_eager", "yes"), ("fused_ops", "on"),
                                          ("merge_projections", 0), ("gemv", "yes"), ("norm_in_gemv", 1),
                                          ("rotary_kernel", "on"), ("pdl", "on"), ("kv_write_in_rotary", 1),
-                                         ("combine_in_attention", "yes")])
+                                         ("combine_in_attention", "yes"), ("prefetch_kv", "on")])
 def test_bad_engine_settings(tiny_models, field, value):
     with pytest.raises(ValueError, match=field):
         minirt.Engine(tiny_models["llama"], **{field: value})
@@ -143,11 +143,15 @@ def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models, 
     for name in ("kv_write_in_rotary", "combine_in_attention"):
         with pytest.raises(ValueError, match=rf"^{name}: the Triton kernel it runs in needs a CUDA device \(got cpu\)"):
             minirt.Engine(tiny_models["llama"], device="cpu", **{name: True})
+    with pytest.raises(ValueError, match=r"^prefetch_kv: loads K/V before the wait of programmatic dependent launch, "
+                                         r"which needs a CUDA device \(got cpu\)"):
+        minirt.Engine(tiny_models["llama"], device="cpu", prefetch_kv=True)
 
 
 def test_fused_attention_switches_refused_without_what_they_run_in():
-    """The K/V write runs in the rotary kernel and the split combine in the Triton attention kernel with split-KV:
-    asking for either with its host switched off is refused by the config, naming the field and the conflict."""
+    """The K/V write runs in the rotary kernel, the split combine in the Triton attention kernel with split-KV, and
+    the K/V prefetch before that kernel's PDL wait: asking for one with its host switched off is refused by the
+    config, naming the field and the conflict."""
     from minirt.config import EngineConfig
 
     with pytest.raises(ValueError, match=r"^kv_write_in_rotary: .* needs rotary_kernel, got rotary_kernel=False"):
@@ -156,7 +160,13 @@ def test_fused_attention_switches_refused_without_what_they_run_in():
         EngineConfig(split_kv=False, combine_in_attention=True)
     with pytest.raises(ValueError, match=r"^combine_in_attention: .* got split_kv=True, attention_backend='torch'"):
         EngineConfig(attention_backend="torch", combine_in_attention=True)
-    EngineConfig(rotary_kernel=False, kv_write_in_rotary=False, split_kv=False, combine_in_attention=False)
+    with pytest.raises(ValueError, match=r"^prefetch_kv: .* needs pdl and that kernel, got pdl=False, "
+                                         r"attention_backend='auto'"):
+        EngineConfig(pdl=False, prefetch_kv=True)
+    with pytest.raises(ValueError, match=r"^prefetch_kv: .* got pdl=None, attention_backend='torch'"):
+        EngineConfig(attention_backend="torch", prefetch_kv=True)
+    EngineConfig(rotary_kernel=False, kv_write_in_rotary=False, split_kv=False, combine_in_attention=False,
+                 pdl=False, prefetch_kv=False)
 
 
 def test_norm_in_gemv_refused_without_its_gemv(tiny_models):
@@ -191,8 +201,11 @@ def test_llm_sampling_params_of_the_wrong_type(tiny_models):
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="on the CPU the Triton check refuses first")
-def test_kv_write_in_rotary_refused_before_loading_where_the_rotary_kernel_resolves_off(tiny_models, monkeypatch):
+def test_fused_switches_refused_before_loading_where_what_they_need_resolves_off(tiny_models, monkeypatch):
     monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
     with pytest.raises(ValueError, match=r"^kv_write_in_rotary: needs the rotary kernel, which is off without CUDA "
                                          r"graphs \(device cuda, enforce_eager=True, attention_backend='auto'\)"):
         minirt.Engine(tiny_models["llama"], device="cuda", enforce_eager=True, kv_write_in_rotary=True)
+    with pytest.raises(ValueError, match=r"^prefetch_kv: needs PDL, which is off without CUDA graphs \(device cuda, "
+                                         r"enforce_eager=True, attention_backend='auto'\)"):
+        minirt.Engine(tiny_models["llama"], device="cuda", enforce_eager=True, prefetch_kv=True)

@@ -115,7 +115,7 @@ def test_optimization_steps_add_one_switch_each():
     defaults = {k: p.default for k, p in inspect.signature(Engine).parameters.items() if k in steps[-1][1]}
     resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True,
                         "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True, "rotary_kernel": True,
-                        "pdl": True, "kv_write_in_rotary": True, "combine_in_attention": False}
+                        "pdl": True, "kv_write_in_rotary": True, "combine_in_attention": False, "prefetch_kv": True}
     assert steps[-1][1] == resolved_on_cuda
 
 
@@ -140,6 +140,8 @@ def test_ab_benchmark_parses_settings_and_refuses_bad_ones(capsys):
         assert ab.main(["--config", bad]) == 2
         assert words in capsys.readouterr().err
     assert ab.main(["--rounds", "0"]) == 2 and "--rounds: must be >= 1, got 0" in capsys.readouterr().err
+    assert ab.main(["--label", "a/b"]) == 2 and "--label: only letters, digits and '-', got 'a/b'" in \
+        capsys.readouterr().err
     if not __import__("torch").cuda.is_available():
         assert ab.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
 
@@ -150,6 +152,13 @@ def test_gemv_benchmark_needs_cuda(monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", ["gemv.py", "--quick"])
     assert _benchmark_module("gemv").main() == 2
     assert "needs a CUDA device" in capsys.readouterr().err
+
+
+def test_launch_floor_benchmark_refuses_bad_arguments_and_needs_cuda(capsys):
+    floor = _benchmark_module("launch_floor")
+    assert floor.main(["--kernels", "0"]) == 2 and "--kernels: must be >= 1, got 0" in capsys.readouterr().err
+    if not __import__("torch").cuda.is_available():
+        assert floor.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
 
 
 def _bench_args(*argv):
@@ -171,10 +180,10 @@ def test_engine_switches_from_the_command_line():
     assert engine_kwargs_of(args) == {"attention_backend": "torch", "split_kv": False, "enforce_eager": True,
                                       "fused_ops": False, "merge_projections": True, "gemv": False}
     args = _bench_args("--norm-in-gemv", "off", "--rotary-kernel", "on", "--pdl", "off", "--kv-write-in-rotary", "off",
-                       "--combine-in-attention", "on", "--num-scheduler-steps", "4")
+                       "--combine-in-attention", "on", "--prefetch-kv", "off", "--num-scheduler-steps", "4")
     assert engine_kwargs_of(args) == {"norm_in_gemv": False, "rotary_kernel": True, "pdl": False,
                                       "kv_write_in_rotary": False, "combine_in_attention": True,
-                                      "num_scheduler_steps": 4}
+                                      "prefetch_kv": False, "num_scheduler_steps": 4}
 
 
 @pytest.mark.parametrize("argv,words", [(["--threads", "0"], "--threads: must be an integer >= 1"),
@@ -185,7 +194,10 @@ def test_engine_switches_from_the_command_line():
                                         (["--kv-write-in-rotary", "on"], "kv_write_in_rotary: the Triton kernel it"),
                                         (["--combine-in-attention", "on"], "combine_in_attention: the Triton kernel it"),
                                         (["--combine-in-attention", "on", "--no-split-kv"],
-                                         "combine_in_attention: combines split-KV results")])
+                                         "combine_in_attention: combines split-KV results"),
+                                        (["--prefetch-kv", "on"], "prefetch_kv: loads K/V before the wait"),
+                                        (["--prefetch-kv", "on", "--pdl", "off"],
+                                         "prefetch_kv: loads K/V before the PDL wait")])
 def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
     if ("triton" in argv or "on" in argv) and __import__("torch").cuda.is_available():
         pytest.skip("a valid setting on a CUDA machine")

@@ -177,7 +177,7 @@ class DecoderModel(nn.Module):
                 attn: AttentionBackend | None = None) -> torch.Tensor:
         if attn is None:
             attn = CausalAttention()
-        x = self.model.embed_tokens(input_ids)
+        x = self.model.embed_tokens(input_ids)    # no PDL: earlier steps' K/V is final (paged_attention_triton)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         residual = None
         for layer in self.model.layers:
