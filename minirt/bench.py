@@ -41,7 +41,7 @@ from torch.nn.attention import sdpa_kernel
 
 from minirt.attention import CUDA_SDPA_BACKENDS
 from minirt.config import EngineConfig
-from minirt.kernels import refuse_missing_triton
+from minirt.engine import refuse_before_loading
 
 # Qwen3-0.6B's configuration (Qwen/Qwen3-0.6B config.json), built with random weights: no download needed.
 QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -477,12 +477,7 @@ def run(args) -> int:
     workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
     engine_kwargs = engine_kwargs_of(args)
     try:                   # checked before the model is built (the head_dim check waits for the engine)
-        EngineConfig(**engine_kwargs)
-        refuse_missing_triton(device, engine_kwargs.get("attention_backend", "auto"), engine_kwargs.get("gemv"),
-                              rotary_kernel=engine_kwargs.get("rotary_kernel"), pdl=engine_kwargs.get("pdl"),
-                              kv_write_in_rotary=engine_kwargs.get("kv_write_in_rotary"),
-                              combine_in_attention=engine_kwargs.get("combine_in_attention"),
-                              prefetch_kv=engine_kwargs.get("prefetch_kv"))
+        refuse_before_loading(EngineConfig(**engine_kwargs), device)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

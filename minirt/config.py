@@ -53,8 +53,8 @@ class EngineConfig:
     PDL, which already hides the second kernel's launch (chapter 07 shows the measurement).
     prefetch_kv: with PDL, in split-KV launches (small decode batches) the Triton attention kernel loads the keys
     and values of earlier steps (its first tile) before it waits for the kernel before it, and only q and this
-    step's keys after (see `paged_attention_triton`'s `prefetch_kv`); False: it waits first. Needs pdl and the
-    Triton attention kernel. None = wherever both are on.
+    step's keys after (see `paged_attention_triton`'s `prefetch_kv`); False: it waits first. Needs pdl, split_kv
+    and the Triton attention kernel. None = wherever all three are on.
     """
 
     block_size: int = 16
@@ -112,10 +112,10 @@ class EngineConfig:
             raise ValueError("combine_in_attention: combines split-KV results in the Triton attention kernel, so it "
                              f"needs split_kv and that kernel, got split_kv={self.split_kv!r}, "
                              f"attention_backend={self.attention_backend!r}")
-        if self.prefetch_kv and (self.pdl is False or self.attention_backend == "torch"):
-            raise ValueError("prefetch_kv: loads K/V before the PDL wait of the Triton attention kernel, so it "
-                             f"needs pdl and that kernel, got pdl={self.pdl!r}, "
-                             f"attention_backend={self.attention_backend!r}")
+        if self.prefetch_kv and (self.pdl is False or not self.split_kv or self.attention_backend == "torch"):
+            raise ValueError("prefetch_kv: loads K/V before the PDL wait in split-KV launches of the Triton attention "
+                             f"kernel, so it needs pdl, split_kv and that kernel, got pdl={self.pdl!r}, "
+                             f"split_kv={self.split_kv!r}, attention_backend={self.attention_backend!r}")
 
 
 def cdiv(a: int, b: int) -> int:

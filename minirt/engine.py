@@ -56,6 +56,27 @@ CPU_KV_CACHE_TOKENS = 65536
 GPU_MEMORY_UTILIZATION = 0.85
 
 
+def refuse_before_loading(config: EngineConfig, device: torch.device) -> None:
+    """Raise ValueError naming the field for a switch asked for explicitly that cannot run on `device` or with the
+    other settings, as far as that is known before the checkpoint is loaded (its head_dim is checked after).
+    `Engine` calls it first, and `python -m minirt bench` too, so that a bad flag exits before anything runs."""
+    c = config
+    refuse_missing_triton(device, c.attention_backend, c.gemv, rotary_kernel=c.rotary_kernel, pdl=c.pdl,
+                          kv_write_in_rotary=c.kv_write_in_rotary, combine_in_attention=c.combine_in_attention,
+                          prefetch_kv=c.prefetch_kv)
+    if c.norm_in_gemv and c.gemv is None and (device.type != "cuda" or c.enforce_eager):
+        raise ValueError("norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
+                         f"(device {device.type}, enforce_eager={c.enforce_eager}); pass gemv=True where it can run")
+    no_graphs = device.type != "cuda" or c.enforce_eager or c.attention_backend == "torch"
+    where = f"device {device.type}, enforce_eager={c.enforce_eager}, attention_backend={c.attention_backend!r}"
+    if c.kv_write_in_rotary and c.rotary_kernel is None and no_graphs:
+        raise ValueError(f"kv_write_in_rotary: needs the rotary kernel, which is off without CUDA graphs ({where}); "
+                         "pass rotary_kernel=True where it can run")
+    if c.prefetch_kv and c.pdl is None and no_graphs:
+        raise ValueError(f"prefetch_kv: needs PDL, which is off without CUDA graphs ({where}); pass pdl=True where it "
+                         "can run")
+
+
 class EngineFailedError(RuntimeError):
     """The engine hit an error in a step (for example device out-of-memory) and must be restarted."""
 
@@ -118,22 +139,7 @@ class Engine:
                                    norm_in_gemv, rotary_kernel, pdl, kv_write_in_rotary, combine_in_attention,
                                    prefetch_kv)
         device = resolve_device(device)
-        # Before the checkpoint takes any memory; once it is loaded, again with its head_dim.
-        refuse_missing_triton(device, attention_backend, gemv, rotary_kernel=rotary_kernel, pdl=pdl,
-                              kv_write_in_rotary=kv_write_in_rotary, combine_in_attention=combine_in_attention,
-                              prefetch_kv=prefetch_kv)
-        if norm_in_gemv and gemv is None and (device.type != "cuda" or enforce_eager):
-            raise ValueError("norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
-                             f"(device {device.type}, enforce_eager={enforce_eager}); pass gemv=True where it can run")
-        no_graphs = device.type != "cuda" or enforce_eager or attention_backend == "torch"
-        if kv_write_in_rotary and rotary_kernel is None and no_graphs:
-            raise ValueError("kv_write_in_rotary: needs the rotary kernel, which is off without CUDA graphs (device "
-                             f"{device.type}, enforce_eager={enforce_eager}, attention_backend={attention_backend!r}); "
-                             "pass rotary_kernel=True where it can run")
-        if prefetch_kv and pdl is None and no_graphs:
-            raise ValueError("prefetch_kv: needs PDL, which is off without CUDA graphs (device "
-                             f"{device.type}, enforce_eager={enforce_eager}, attention_backend={attention_backend!r}); "
-                             "pass pdl=True where it can run")
+        refuse_before_loading(self.config, device)     # before the checkpoint takes any memory
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
         self.device = self.model.device
         mc = self.model.config
@@ -154,13 +160,14 @@ class Engine:
         use_pdl = (use_graphs and not pdl_missing(self.device)) if pdl is None else pdl
         triton_attention = kernel is not paged_attention_reference
         if prefetch_kv is None:
-            prefetch_kv = bool(use_pdl and triton_attention)
+            prefetch_kv = bool(use_pdl and triton_attention and split_kv)
         elif prefetch_kv and not (use_pdl and triton_attention):
             raise ValueError("prefetch_kv: needs pdl and the Triton attention kernel, which resolved to "
                              f"{bool(use_pdl)} and {triton_attention} (device {self.device.type})")
+        if triton_attention:
+            kernel = functools.partial(kernel, prefetch_kv=prefetch_kv)
         if use_pdl and triton_attention:
-            kernel = functools.partial(kernel, pdl=True, prefetch_kv=prefetch_kv)
-            store = functools.partial(store, pdl=True)
+            kernel, store = functools.partial(kernel, pdl=True), functools.partial(store, pdl=True)
         if combine_in_attention and not (kernel is not paged_attention_reference and split_kv):
             raise ValueError("combine_in_attention: needs the Triton attention kernel with split_kv, which did not "
                              f"resolve on (device {self.device.type})")

@@ -160,10 +160,12 @@ def test_fused_attention_switches_refused_without_what_they_run_in():
         EngineConfig(split_kv=False, combine_in_attention=True)
     with pytest.raises(ValueError, match=r"^combine_in_attention: .* got split_kv=True, attention_backend='torch'"):
         EngineConfig(attention_backend="torch", combine_in_attention=True)
-    with pytest.raises(ValueError, match=r"^prefetch_kv: .* needs pdl and that kernel, got pdl=False, "
-                                         r"attention_backend='auto'"):
+    with pytest.raises(ValueError, match=r"^prefetch_kv: .* needs pdl, split_kv and that kernel, got pdl=False, "
+                                         r"split_kv=True, attention_backend='auto'"):
         EngineConfig(pdl=False, prefetch_kv=True)
-    with pytest.raises(ValueError, match=r"^prefetch_kv: .* got pdl=None, attention_backend='torch'"):
+    with pytest.raises(ValueError, match=r"^prefetch_kv: .* got pdl=None, split_kv=False, attention_backend='auto'"):
+        EngineConfig(split_kv=False, prefetch_kv=True)
+    with pytest.raises(ValueError, match=r"^prefetch_kv: .* got pdl=None, split_kv=True, attention_backend='torch'"):
         EngineConfig(attention_backend="torch", prefetch_kv=True)
     EngineConfig(rotary_kernel=False, kv_write_in_rotary=False, split_kv=False, combine_in_attention=False,
                  pdl=False, prefetch_kv=False)
@@ -198,6 +200,40 @@ def test_llm_sampling_params_of_the_wrong_type(tiny_models):
         llm.generate([[1, 2]], minirt.SamplingParams(stop_token_ids=[100000]))
     with pytest.raises(ValueError, match=r"seed: must be an integer in \[0, 2\*\*63\)"):
         minirt.SamplingParams(seed=2**70)
+
+
+def test_switches_that_resolve_off_without_cuda_graphs_are_refused_before_loading(monkeypatch):
+    """Where CUDA graphs are off (enforce_eager, the torch backend), the rotary kernel and PDL resolve off, so the
+    switches that need them are refused by `refuse_before_loading`, which the engine and the bench call before
+    the checkpoint loads. The Triton checks are stubbed out to reach these on a machine without CUDA."""
+    import torch
+
+    from minirt.config import EngineConfig
+    from minirt.engine import refuse_before_loading
+
+    monkeypatch.setattr(minirt.engine, "refuse_missing_triton", lambda *a, **k: None)
+    cuda = torch.device("cuda")
+    for field in ("kv_write_in_rotary", "prefetch_kv"):
+        with pytest.raises(ValueError, match=rf"^{field}: needs .*, which is off without CUDA graphs \(device cuda, "
+                                             r"enforce_eager=True, attention_backend='auto'\)"):
+            refuse_before_loading(EngineConfig(enforce_eager=True, **{field: True}), cuda)
+    refuse_before_loading(EngineConfig(enforce_eager=True), cuda)          # nothing asked for: nothing refused
+
+
+def test_bench_refuses_before_it_builds_anything(monkeypatch, capsys):
+    """`python -m minirt bench` runs the engine's pre-load refusals before the bandwidth copy or the checkpoint."""
+    from minirt import bench
+
+    def refuse(config, device):
+        raise ValueError(f"prefetch_kv: refused for {device.type}, prefetch_kv={config.prefetch_kv}")
+
+    monkeypatch.setattr(bench, "refuse_before_loading", refuse)
+    monkeypatch.setattr(bench, "bench", lambda *a, **k: pytest.fail("ran the benchmark before refusing"))
+    parser = __import__("argparse").ArgumentParser()
+    bench.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "--device", "cpu", "--prefetch-kv", "on", "--enforce-eager"])
+    assert bench.run(args) == 2
+    assert "error: prefetch_kv: refused for cpu, prefetch_kv=True" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="on the CPU the Triton check refuses first")

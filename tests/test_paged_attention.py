@@ -127,6 +127,28 @@ def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
 
 @pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
+@pytest.mark.parametrize("prefetch_kv", [True, False], ids=["prefetch", "wait-first"])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)], ids=["group1", "group3", "group4"])
+def test_split_kv_with_several_tiles_per_split_matches_sdpa(decode_only, prefetch_kv, num_heads, num_kv_heads):
+    """Two splits over 130-300 keys: each split's share is 2 to 3 tiles of 64 keys, so the loop after the first
+    (peeled, prefetched) tile runs too, with GQA groups of 1, 3 and 4 query heads per KV head (a loop that
+    started at the first tile again would count it twice; one that skipped the rest would miss keys)."""
+    from minirt.kernels.paged_attention_triton import paged_attention_triton
+
+    device = TRITON_DEVICE
+    q, k_cache, v_cache, meta, ks, vs, qs = build_case(5, 16, num_heads, num_kv_heads, 32, torch.float32, device,
+                                                       num_seqs=3, ctx_range=(130, 300))
+    if decode_only:
+        qs = [x[-1:] for x in qs]
+        q = torch.cat(qs)
+        meta.query_start_loc, meta.max_query_len = torch.arange(len(qs) + 1, device=device), 1
+    assert all(-(-k.shape[0] // 2) > 64 for k in ks)                # every split's share is more than one tile
+    got = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=2, prefetch_kv=prefetch_kv).float()
+    torch.testing.assert_close(got, oracle(ks, vs, qs), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
 @pytest.mark.parametrize("num_splits,ctx_range", [(2, (1, 90)), (16, (1, 90)), (16, (600, 1100))],
                          ids=["2-splits", "16-splits", "16-splits-long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -363,6 +385,21 @@ def test_pdl_attention_loads_this_steps_keys_after_the_kernel_before(decode_only
     out = write_then_attend(1_000_000)
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
+def test_engine_passes_the_resolved_prefetch_kv_to_the_kernel(tiny_models):
+    """The kernel's prefetch follows `EngineConfig.prefetch_kv` as the engine resolves it, also where PDL or
+    split-KV is off (the kernel's own default is True)."""
+    import minirt
+    from minirt.kernels import pdl_missing
+
+    on_hopper = not pdl_missing(torch.device("cuda"))
+    for kwargs, want in (({}, on_hopper), ({"pdl": False}, False), ({"split_kv": False}, False),
+                         ({"prefetch_kv": False}, False)):
+        llm = minirt.LLM(tiny_models["qwen3"], device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4,
+                         **kwargs)
+        assert llm.engine.model_runner.attention_kernel.keywords["prefetch_kv"] is want, kwargs
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
