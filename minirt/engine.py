@@ -155,10 +155,10 @@ class Engine:
             self.config.num_kv_blocks = num_kv_blocks
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         kernel, store = select_paged_attention(attention_backend, self.device, head_dim_of(mc), split_kv)
-        use_graphs = not enforce_eager and self.device.type == "cuda" and kernel is not paged_attention_reference
+        triton_attention = kernel is not paged_attention_reference
+        use_graphs = not enforce_eager and self.device.type == "cuda" and triton_attention
         use_gemv = use_graphs if gemv is None else gemv         # None: where graphs hide its launch cost
         use_pdl = (use_graphs and not pdl_missing(self.device)) if pdl is None else pdl
-        triton_attention = kernel is not paged_attention_reference
         if prefetch_kv is None:
             prefetch_kv = bool(use_pdl and triton_attention and split_kv)
         elif prefetch_kv and not (use_pdl and triton_attention):
@@ -166,9 +166,9 @@ class Engine:
                              f"{bool(use_pdl)} and {triton_attention} (device {self.device.type})")
         if triton_attention:
             kernel = functools.partial(kernel, prefetch_kv=prefetch_kv)
-        if use_pdl and triton_attention:
-            kernel, store = functools.partial(kernel, pdl=True), functools.partial(store, pdl=True)
-        if combine_in_attention and not (kernel is not paged_attention_reference and split_kv):
+            if use_pdl:
+                kernel, store = functools.partial(kernel, pdl=True), functools.partial(store, pdl=True)
+        if combine_in_attention and not (triton_attention and split_kv):
             raise ValueError("combine_in_attention: needs the Triton attention kernel with split_kv, which did not "
                              f"resolve on (device {self.device.type})")
         if combine_in_attention:

@@ -57,9 +57,9 @@ def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bo
                           pdl: bool | None = None, kv_write_in_rotary: bool | None = None,
                           combine_in_attention: bool | None = None, prefetch_kv: bool | None = None) -> None:
     """Raise ValueError naming the field if a Triton switch is asked for explicitly (`attention_backend="triton"`,
-    `gemv=True`, `rotary_kernel=True`, `pdl=True`, `kv_write_in_rotary=True`, `combine_in_attention=True`, `prefetch_kv=True`) and
-    cannot run on `device`. Callable before any model is
-    loaded: head_dim None skips its checks (the rotary kernel also needs a power-of-two head_dim)."""
+    `gemv=True`, `rotary_kernel=True`, `pdl=True`, `kv_write_in_rotary=True`, `combine_in_attention=True`,
+    `prefetch_kv=True`) and cannot run on `device`. Callable before any model is loaded: head_dim None skips its
+    checks (the rotary kernel also needs a power-of-two head_dim)."""
     missing = triton_missing(device, head_dim)
     if missing and attention_backend == "triton":
         raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
