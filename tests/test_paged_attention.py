@@ -321,10 +321,11 @@ if CUDA:
     import triton.language as tl
 
     @triton.jit
-    def _slow_store_kv(K, V, KCache, VCache, slot_mapping, stride_t, stride_slot, SPIN_NS: tl.constexpr,
-                       ROW: tl.constexpr):
-        """`store_kv_triton`'s write after a SPIN_NS-nanosecond spin: a kernel before attention that is still
-        running long after attention, launched with PDL, has started."""
+    def _slow_store_kv(K, V, KCache, VCache, slot_mapping, stride_t, stride_slot, QSrc, Q, SPIN_NS: tl.constexpr,
+                       ROW: tl.constexpr, Q_ROW: tl.constexpr):
+        """`store_kv_triton`'s write, and the copy of each token's query row QSrc -> Q, after a SPIN_NS-nanosecond
+        spin: a kernel before attention that is still running long after attention, launched with PDL, has
+        started."""
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
         t0 = tl.extra.cuda.globaltimer()
@@ -336,6 +337,8 @@ if CUDA:
         offs = tl.arange(0, ROW)
         tl.store(KCache + slot * stride_slot + offs, tl.load(K + token * stride_t + offs))
         tl.store(VCache + slot * stride_slot + offs, tl.load(V + token * stride_t + offs))
+        q_offs = tl.arange(0, Q_ROW)
+        tl.store(Q + token * Q_ROW + q_offs, tl.load(QSrc + token * Q_ROW + q_offs))
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
@@ -343,9 +346,9 @@ if CUDA:
 @pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
 def test_pdl_attention_loads_this_steps_keys_after_the_kernel_before(decode_only, prefetch_kv):
     """With PDL the attention kernel starts while the kernel before it runs, and loads earlier steps' keys and
-    values before it waits for that kernel; this step's it must load after. Here the kernel before spins for
-    1 ms before it writes them, and until then their slots hold stale values, large enough that attention
-    over them is far from the oracle (checked first, so the test can fail)."""
+    values before it waits for that kernel; this step's keys and values, and q, it must load after. Here the
+    kernel before spins for 1 ms before it writes them, and until then their slots and q hold stale values, each
+    enough to put attention far from the oracle (checked first, so the test can fail)."""
     from minirt.kernels import pdl_missing
     from minirt.kernels.paged_attention_triton import paged_attention_triton
 
@@ -368,19 +371,29 @@ def test_pdl_attention_loads_this_steps_keys_after_the_kernel_before(decode_only
     slots = torch.tensor([meta.block_tables[s, p // bs].item() * bs + p % bs for s, p in zip(seq, pos)], device="cuda")
     k_new = torch.stack([ks[s][p] for s, p in zip(seq, pos)])
     v_new = torch.stack([vs[s][p] for s, p in zip(seq, pos)])
-    k_cache.view(-1, 8, 128)[slots], v_cache.view(-1, 8, 128)[slots] = 30.0, -30.0      # stale
     expected = oracle(ks, vs, qs)
-    stale = paged_attention_triton(q, k_cache, v_cache, meta).float()
-    assert (stale - expected).abs().max() > 1.0
+    q_new, q_stale = q.clone(), -4 * q    # attention with q negated puts the weight on other keys
+
+    def make_stale(kv=True, queries=True):
+        if kv:
+            k_cache.view(-1, 8, 128)[slots], v_cache.view(-1, 8, 128)[slots] = 30.0, -30.0
+        if queries:
+            q.copy_(q_stale)
+
+    make_stale(kv=False)
+    assert (paged_attention_triton(q, k_cache, v_cache, meta).float() - expected).abs().max() > 1.0
+    q.copy_(q_new)
+    make_stale(queries=False)
+    assert (paged_attention_triton(q, k_cache, v_cache, meta).float() - expected).abs().max() > 1.0
 
     def write_then_attend(spin_ns):
         _slow_store_kv[(len(pos),)](k_new, v_new, k_cache, v_cache, slots, k_new.stride(0), k_cache.stride(1),
-                                    SPIN_NS=spin_ns, ROW=8 * 128, launch_pdl=True)
+                                    q_new, q, SPIN_NS=spin_ns, ROW=8 * 128, Q_ROW=16 * 128, launch_pdl=True)
         return paged_attention_triton(q, k_cache, v_cache, meta, num_splits=None if decode_only else 2, pdl=True,
                                       prefetch_kv=prefetch_kv)
 
     write_then_attend(0)                # compiles both: a compile between the launches would outlast the spin
-    k_cache.view(-1, 8, 128)[slots], v_cache.view(-1, 8, 128)[slots] = 30.0, -30.0
+    make_stale()
     torch.cuda.synchronize()
     out = write_then_attend(1_000_000)
     torch.cuda.synchronize()
