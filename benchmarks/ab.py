@@ -83,31 +83,49 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device("cuda")
-    dev, versions = environment(device)
-    tpot = {name: [] for name in configs}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_random_qwen3(tmp, device, seed=0)
-        llms = {name: minirt.LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=8, num_kv_blocks=512,
-                                 **kwargs) for name, kwargs in configs.items()}
-        prompts = make_prompts(args.rounds + 1, (512, 512), llms[next(iter(llms))].engine.model.config.vocab_size,
-                               seed=3)
-        for llm in llms.values():                           # warm-up: compiled kernels, first-use allocations
-            run_minirt(llm, prompts[-1:], 16, device)
-        for r in range(args.rounds):
-            order = list(llms.items()) if r % 2 == 0 else list(llms.items())[::-1]
-            for name, llm in order:
-                fig, _ = run_minirt(llm, [prompts[r]], 256, device)
-                tpot[name].append(fig["tpot_p50_s"])
+        llms = {name: new_llm(model, device, **kwargs) for name, kwargs in configs.items()}
+        tpot = interleaved_tpot(llms, args.rounds, device)
+    report_tpot(tpot, configs, args.rounds, device, args.out, "-".join(filter(None, ["ab-batch1-cuda",
+                                                                                      str(datetime.date.today()),
+                                                                                      args.label])))
+    return 0
+
+
+def new_llm(model: str, device: torch.device, **kwargs) -> minirt.LLM:
+    """The `minirt.LLM` every setting gets: bfloat16, up to 8 sequences, 512 KV blocks, plus the setting."""
+    return minirt.LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=8, num_kv_blocks=512, **kwargs)
+
+
+def interleaved_tpot(llms: dict, rounds: int, device: torch.device) -> dict[str, list[float]]:
+    """TPOT p50 (s) of one request per round (512-token prompt, 256 new tokens, a new prompt each round) on each
+    of `llms` in turn, the order alternating between rounds, after one warm-up request each."""
+    tpot = {name: [] for name in llms}
+    prompts = make_prompts(rounds + 1, (512, 512), next(iter(llms.values())).engine.model.config.vocab_size, seed=3)
+    for llm in llms.values():                           # warm-up: compiled kernels, first-use allocations
+        run_minirt(llm, prompts[-1:], 16, device)
+    for r in range(rounds):
+        order = list(llms.items()) if r % 2 == 0 else list(llms.items())[::-1]
+        for name, llm in order:
+            fig, _ = run_minirt(llm, [prompts[r]], 256, device)
+            tpot[name].append(fig["tpot_p50_s"])
+    return tpot
+
+
+def report_tpot(tpot: dict, settings: dict, rounds: int, device: torch.device, out: str, file_name: str) -> dict:
+    """Print the table (each setting's median, minimum, ratio to the first, every run) and write the JSON report."""
     first = statistics.median(tpot[next(iter(tpot))])
     rows = [[name, statistics.median(v) * 1e3, min(v) * 1e3, statistics.median(v) / first,
              " ".join(f"{x * 1e3:.3f}" for x in v)] for name, v in tpot.items()]
     print(format_table(["setting", "TPOT median ms", "min ms", "x first", "every run (ms)"], rows))
+    dev, versions = environment(device)
     report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "workload": {"prompt_len": 512, "new_tokens": 256, "rounds": args.rounds},
-              "settings": configs, "tpot_s": tpot,
+              "workload": {"prompt_len": 512, "new_tokens": 256, "rounds": rounds},
+              "settings": settings, "tpot_s": tpot,
               "tpot_median_s": {name: statistics.median(v) for name, v in tpot.items()}}
-    write_report(report, args.out, "-".join(filter(None, ["ab-batch1-cuda", str(datetime.date.today()), args.label])))
-    return 0
+    write_report(report, out, file_name)
+    return report
 
 
 if __name__ == "__main__":

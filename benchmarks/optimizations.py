@@ -39,7 +39,7 @@ from minirt.metrics import format_table
 #: (label, minirt.LLM settings): each step adds one optimization to the one before.
 _OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False,
             gemv=False, num_scheduler_steps=1, norm_in_gemv=False, rotary_kernel=False, pdl=False,
-            kv_write_in_rotary=False, combine_in_attention=False, prefetch_kv=False)
+            kv_write_in_rotary=False, combine_in_attention=False, prefetch_kv=False, l2_prefetch=False)
 _GRAPHS = {**_OFF, "attention_backend": "triton", "enforce_eager": False}
 STEPS = [
     ("eager, torch attention", _OFF),
@@ -66,6 +66,10 @@ STEPS = [
                                             "split_kv": True, "gemv": True, "num_scheduler_steps": 8,
                                             "norm_in_gemv": True, "rotary_kernel": True, "pdl": True,
                                             "kv_write_in_rotary": True, "prefetch_kv": True}),
+    ("+ next GEMV's weights into L2", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
+                                       "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True,
+                                       "rotary_kernel": True, "pdl": True, "kv_write_in_rotary": True,
+                                       "prefetch_kv": True, "l2_prefetch": True}),
 ]
 
 
@@ -140,14 +144,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", action="store_true", help="profile batch-1 decode steps instead")
     parser.add_argument("--new-tokens", type=int, default=64, help="decode steps profiled (with --profile)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
-    parser.add_argument("--steps", default=None, help="comma-separated step numbers to run (default: all)")
+    parser.add_argument("--steps", default=None,
+                        help=f"comma-separated step numbers 0-{len(STEPS) - 1} to run (default: all)")
     args = parser.parse_args(argv)
+    try:
+        chosen = [STEPS[int(i)] for i in args.steps.split(",")] if args.steps else STEPS
+        if args.steps and any(int(i) < 0 for i in args.steps.split(",")):
+            raise IndexError
+    except (ValueError, IndexError):
+        print(f"error: --steps: comma-separated step numbers 0-{len(STEPS) - 1}, got {args.steps!r}", file=sys.stderr)
+        return 2
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device (the optimizations are GPU ones)", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device("cuda")
-    chosen = [STEPS[int(i)] for i in args.steps.split(",")] if args.steps else STEPS
     if missing := pdl_missing(device):          # before Hopper: the PDL step cannot run; the others still do
         skipped = [label for label, kwargs in chosen if kwargs.get("pdl")]
         chosen = [(label, kwargs) for label, kwargs in chosen if not kwargs.get("pdl")]

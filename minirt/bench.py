@@ -325,6 +325,7 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             "kv_write_in_rotary": engine.model.model.layers[0].self_attn.rotary_store is not None,
             "combine_in_attention": "split_counters" in getattr(kernel, "keywords", {}),
             "prefetch_kv": bool(getattr(kernel, "keywords", {}).get("prefetch_kv", False)),
+            "l2_prefetch": engine.l2_prefetch,
             "num_kv_blocks": engine.config.num_kv_blocks,
             "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size
@@ -441,6 +442,7 @@ ON_OFF_SWITCHES = (
     ("kv_write_in_rotary", "minirt's K/V cache write inside the rotary kernel (auto: with the rotary kernel)"),
     ("combine_in_attention", "minirt's split-KV combine inside the attention kernel (auto: off; slower where PDL runs)"),
     ("prefetch_kv", "minirt's attention kernel loads earlier steps' K/V before its PDL wait (auto: with PDL)"),
+    ("l2_prefetch", "minirt's one-row GEMVs ask L2 for the next GEMV's weights (auto: with the GEMV kernel and PDL)"),
 )
 
 

@@ -55,6 +55,10 @@ class EngineConfig:
     and values of earlier steps (its first tile) before it waits for the kernel before it, and only q and this
     step's keys after (see `paged_attention_triton`'s `prefetch_kv`); False: it waits first. Needs pdl, split_kv
     and the Triton attention kernel. None = wherever all three are on.
+    l2_prefetch: each one-row GEMV of a decode step asks the L2 cache for the weights of the GEMV after it (q/k/v,
+    o_proj, gate/up, down, the next layer's q/k/v), which stream in while it runs (see
+    `minirt.model.decoder.DecoderModel.prefetch_next_weights`); needs gemv, merge_projections and a Hopper or later
+    GPU. None = with the GEMV kernel, merged projections and PDL.
     """
 
     block_size: int = 16
@@ -77,6 +81,7 @@ class EngineConfig:
     kv_write_in_rotary: bool | None = None
     combine_in_attention: bool = False
     prefetch_kv: bool | None = None
+    l2_prefetch: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
@@ -97,13 +102,18 @@ class EngineConfig:
                            ("rotary_kernel", "with CUDA graphs"),
                            ("pdl", "with CUDA graphs where it can run"),
                            ("kv_write_in_rotary", "with the rotary kernel"),
-                           ("prefetch_kv", "with PDL and the Triton attention kernel")):
+                           ("prefetch_kv", "with PDL and the Triton attention kernel"),
+                           ("l2_prefetch", "with the GEMV kernel, merged projections and PDL")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{name}: must be a bool or None (None = {auto}), got {value!r}")
         if self.norm_in_gemv and (self.gemv is False or self.merge_projections is False):
             raise ValueError("norm_in_gemv: the norm runs in the GEMV kernel's prologue of a merged projection, "
                              f"so it needs gemv and merge_projections, got gemv={self.gemv!r}, "
+                             f"merge_projections={self.merge_projections!r}")
+        if self.l2_prefetch and (self.gemv is False or self.merge_projections is False):
+            raise ValueError("l2_prefetch: the GEMV kernels of merged projections ask L2 for the next weights, so it "
+                             f"needs gemv and merge_projections, got gemv={self.gemv!r}, "
                              f"merge_projections={self.merge_projections!r}")
         if self.kv_write_in_rotary and self.rotary_kernel is False:
             raise ValueError("kv_write_in_rotary: the K/V write runs in the rotary kernel, so it needs rotary_kernel, "

@@ -63,10 +63,11 @@ def refuse_before_loading(config: EngineConfig, device: torch.device) -> None:
     c = config
     refuse_missing_triton(device, c.attention_backend, c.gemv, rotary_kernel=c.rotary_kernel, pdl=c.pdl,
                           kv_write_in_rotary=c.kv_write_in_rotary, combine_in_attention=c.combine_in_attention,
-                          prefetch_kv=c.prefetch_kv)
-    if c.norm_in_gemv and c.gemv is None and (device.type != "cuda" or c.enforce_eager):
-        raise ValueError("norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
-                         f"(device {device.type}, enforce_eager={c.enforce_eager}); pass gemv=True where it can run")
+                          prefetch_kv=c.prefetch_kv, l2_prefetch=c.l2_prefetch)
+    for name in ("norm_in_gemv", "l2_prefetch"):
+        if getattr(c, name) and c.gemv is None and (device.type != "cuda" or c.enforce_eager):
+            raise ValueError(f"{name}: needs the GEMV kernel, which is off without CUDA graphs "
+                             f"(device {device.type}, enforce_eager={c.enforce_eager}); pass gemv=True where it can run")
     no_graphs = device.type != "cuda" or c.enforce_eager or c.attention_backend == "torch"
     where = f"device {device.type}, enforce_eager={c.enforce_eager}, attention_backend={c.attention_backend!r}"
     if c.kv_write_in_rotary and c.rotary_kernel is None and no_graphs:
@@ -132,12 +133,12 @@ class Engine:
                  num_scheduler_steps: int | None = None, norm_in_gemv: bool | None = None,
                  rotary_kernel: bool | None = None, pdl: bool | None = None,
                  kv_write_in_rotary: bool | None = None, combine_in_attention: bool = False,
-                 prefetch_kv: bool | None = None):
+                 prefetch_kv: bool | None = None, l2_prefetch: bool | None = None):
         self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
                                    max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
                                    split_kv, enforce_eager, fused_ops, merge_projections, gemv, num_scheduler_steps,
                                    norm_in_gemv, rotary_kernel, pdl, kv_write_in_rotary, combine_in_attention,
-                                   prefetch_kv)
+                                   prefetch_kv, l2_prefetch)
         device = resolve_device(device)
         refuse_before_loading(self.config, device)     # before the checkpoint takes any memory
         self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
@@ -192,6 +193,16 @@ class Engine:
         elif norm_in_gemv and not (use_gemv and merged):
             raise ValueError(f"norm_in_gemv: needs gemv and merge_projections, which resolved to {use_gemv} and {merged}")
         self.model.set_norm_in_gemv(norm_in_gemv)
+        if l2_prefetch is None:
+            l2_prefetch = bool(use_gemv and merged and use_pdl)
+        elif l2_prefetch and not (use_gemv and merged):
+            raise ValueError(f"l2_prefetch: needs gemv and merge_projections, which resolved to {use_gemv} and {merged}")
+        if l2_prefetch:
+            from minirt.kernels.gemv_triton import l2_prefetch_table
+
+            self.model.prefetch_next_weights(l2_prefetch_table)
+        #: Whether each one-row GEMV asks L2 for the next one's weights (`EngineConfig.l2_prefetch`, resolved).
+        self.l2_prefetch = l2_prefetch
         use_rotary = use_graphs if rotary_kernel is None else rotary_kernel
         if use_rotary:
             from minirt.kernels.rotary_triton import norm_and_rotate_triton, norm_rotate_and_store_triton

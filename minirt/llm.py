@@ -76,7 +76,7 @@ class LLM:
                  num_scheduler_steps: int | None = None, norm_in_gemv: bool | None = None,
                  rotary_kernel: bool | None = None, pdl: bool | None = None,
                  kv_write_in_rotary: bool | None = None, combine_in_attention: bool = False,
-                 prefetch_kv: bool | None = None):
+                 prefetch_kv: bool | None = None, l2_prefetch: bool | None = None):
         self.engine = Engine(model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
                              max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                              max_prefill_chunk=max_prefill_chunk, max_model_len=max_model_len,
@@ -85,7 +85,7 @@ class LLM:
                              merge_projections=merge_projections, gemv=gemv, num_scheduler_steps=num_scheduler_steps,
                              norm_in_gemv=norm_in_gemv, rotary_kernel=rotary_kernel, pdl=pdl,
                              kv_write_in_rotary=kv_write_in_rotary, combine_in_attention=combine_in_attention,
-                             prefetch_kv=prefetch_kv)
+                             prefetch_kv=prefetch_kv, l2_prefetch=l2_prefetch)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None

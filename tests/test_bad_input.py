@@ -123,7 +123,8 @@ def test_bad_request_ids_and_timeouts(tiny_models, engine_kw):
                                          ("split_kv", 1), ("enforce_eager", "yes"), ("fused_ops", "on"),
                                          ("merge_projections", 0), ("gemv", "yes"), ("norm_in_gemv", 1),
                                          ("rotary_kernel", "on"), ("pdl", "on"), ("kv_write_in_rotary", 1),
-                                         ("combine_in_attention", "yes"), ("prefetch_kv", "on")])
+                                         ("combine_in_attention", "yes"), ("prefetch_kv", "on"),
+                                         ("l2_prefetch", 1)])
 def test_bad_engine_settings(tiny_models, field, value):
     with pytest.raises(ValueError, match=field):
         minirt.Engine(tiny_models["llama"], **{field: value})
@@ -146,6 +147,8 @@ def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models, 
     with pytest.raises(ValueError, match=r"^prefetch_kv: loads K/V before the wait of programmatic dependent launch, "
                                          r"which needs a CUDA device \(got cpu\)"):
         minirt.Engine(tiny_models["llama"], device="cpu", prefetch_kv=True)
+    with pytest.raises(ValueError, match=r"^l2_prefetch: the bulk prefetch into L2 needs a CUDA device \(got cpu\)"):
+        minirt.Engine(tiny_models["llama"], device="cpu", l2_prefetch=True)
 
 
 def test_fused_attention_switches_refused_without_what_they_run_in():
@@ -171,18 +174,22 @@ def test_fused_attention_switches_refused_without_what_they_run_in():
                  pdl=False, prefetch_kv=False)
 
 
-def test_norm_in_gemv_refused_without_its_gemv(tiny_models):
-    """The norm runs in the GEMV's prologue: asking for it with the GEMV or the merge off is refused, by name, at
-    the config when the conflict is explicit, and after the switches resolve otherwise."""
+@pytest.mark.parametrize("field", ["norm_in_gemv", "l2_prefetch"])
+def test_gemv_switches_refused_without_their_gemv(tiny_models, monkeypatch, field):
+    """The norm runs in the GEMV's prologue, and the L2 prefetch is asked by the GEMVs of merged projections:
+    asking for either with the GEMV or the merge off is refused, by name, at the config when the conflict is
+    explicit, and after the switches resolve otherwise (the Triton checks stubbed out for l2_prefetch, which they
+    refuse first on a machine without Hopper)."""
     from minirt.config import EngineConfig
 
-    with pytest.raises(ValueError, match=r"^norm_in_gemv: .* needs gemv and merge_projections, got gemv=False"):
-        EngineConfig(gemv=False, norm_in_gemv=True)
-    with pytest.raises(ValueError, match=r"^norm_in_gemv: .* got gemv=None, merge_projections=False"):
-        EngineConfig(merge_projections=False, norm_in_gemv=True)
-    with pytest.raises(ValueError, match=r"^norm_in_gemv: needs the GEMV kernel, which is off without CUDA graphs "
+    with pytest.raises(ValueError, match=rf"^{field}: .* needs gemv and merge_projections, got gemv=False"):
+        EngineConfig(gemv=False, **{field: True})
+    with pytest.raises(ValueError, match=rf"^{field}: .* got gemv=None, merge_projections=False"):
+        EngineConfig(merge_projections=False, **{field: True})
+    monkeypatch.setattr(minirt.engine, "refuse_missing_triton", lambda *a, **k: None)
+    with pytest.raises(ValueError, match=rf"^{field}: needs the GEMV kernel, which is off without CUDA graphs "
                                          r"\(device cpu, enforce_eager=False\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", norm_in_gemv=True)    # refused before the model loads
+        minirt.Engine(tiny_models["llama"], device="cpu", **{field: True})    # refused before the model loads
 
 
 @pytest.mark.parametrize("device,words", [("cuda:99", "device: 'cuda:99'"), ("foo", "device: expected 'cpu'"),

@@ -115,7 +115,8 @@ def test_optimization_steps_add_one_switch_each():
     defaults = {k: p.default for k, p in inspect.signature(Engine).parameters.items() if k in steps[-1][1]}
     resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True,
                         "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True, "rotary_kernel": True,
-                        "pdl": True, "kv_write_in_rotary": True, "combine_in_attention": False, "prefetch_kv": True}
+                        "pdl": True, "kv_write_in_rotary": True, "combine_in_attention": False, "prefetch_kv": True,
+                        "l2_prefetch": True}
     assert steps[-1][1] == resolved_on_cuda
 
 
@@ -123,6 +124,15 @@ def test_optimizations_script_needs_cuda():
     if __import__("torch").cuda.is_available():
         pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
     assert _benchmark_module().main(["--quick"]) == 2
+
+
+@pytest.mark.parametrize("steps", ["99", "-1", "1,x"])
+def test_optimizations_script_names_a_bad_step(steps, capsys):
+    """Checked before anything else (CUDA included), with the valid range in the message."""
+    module = _benchmark_module()
+    assert module.main(["--steps", steps]) == 2
+    assert f"error: --steps: comma-separated step numbers 0-{len(module.STEPS) - 1}, got {steps!r}" in \
+        capsys.readouterr().err
 
 
 def test_ab_benchmark_parses_settings_and_refuses_bad_ones(capsys):
@@ -180,10 +190,11 @@ def test_engine_switches_from_the_command_line():
     assert engine_kwargs_of(args) == {"attention_backend": "torch", "split_kv": False, "enforce_eager": True,
                                       "fused_ops": False, "merge_projections": True, "gemv": False}
     args = _bench_args("--norm-in-gemv", "off", "--rotary-kernel", "on", "--pdl", "off", "--kv-write-in-rotary", "off",
-                       "--combine-in-attention", "on", "--prefetch-kv", "off", "--num-scheduler-steps", "4")
+                       "--combine-in-attention", "on", "--prefetch-kv", "off", "--l2-prefetch", "on",
+                       "--num-scheduler-steps", "4")
     assert engine_kwargs_of(args) == {"norm_in_gemv": False, "rotary_kernel": True, "pdl": False,
                                       "kv_write_in_rotary": False, "combine_in_attention": True,
-                                      "prefetch_kv": False, "num_scheduler_steps": 4}
+                                      "prefetch_kv": False, "l2_prefetch": True, "num_scheduler_steps": 4}
 
 
 @pytest.mark.parametrize("argv,words", [(["--threads", "0"], "--threads: must be an integer >= 1"),
@@ -197,7 +208,10 @@ def test_engine_switches_from_the_command_line():
                                          "combine_in_attention: combines split-KV results"),
                                         (["--prefetch-kv", "on"], "prefetch_kv: loads K/V before the wait"),
                                         (["--prefetch-kv", "on", "--pdl", "off"],
-                                         "prefetch_kv: loads K/V before the PDL wait")])
+                                         "prefetch_kv: loads K/V before the PDL wait"),
+                                        (["--l2-prefetch", "on"], "l2_prefetch: the bulk prefetch into L2 needs"),
+                                        (["--l2-prefetch", "on", "--gemv", "off"],
+                                         "l2_prefetch: the GEMV kernels of merged projections")])
 def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
     if ("triton" in argv or "on" in argv) and __import__("torch").cuda.is_available():
         pytest.skip("a valid setting on a CUDA machine")

@@ -112,8 +112,9 @@ def test_cuda_graphs_equal_transformers(tiny_model_path, fused_ops):
                          ids=["no-pdl", "pdl-auto", "all-on"])
 def test_batch1_decode_with_norm_in_gemv_equals_transformers(tiny_model_path, pdl, fused):
     """One request at a time, so every decode step takes the one-row path of chapter 07's last switches: the
-    norms in the GEMV's prologue (on by default with the GEMV), where the GPU has it PDL, the K/V write in the
-    rotary kernel (on by default with it) and (all-on) the split-KV combine in the attention kernel."""
+    norms in the GEMV's prologue (on by default with the GEMV), where the GPU has it PDL and the GEMVs' L2 prefetch
+    of the next weights (on by default with PDL), the K/V write in the rotary kernel (on by default with it) and
+    (all-on) the split-KV combine in the attention kernel."""
     from minirt.kernels import pdl_missing
 
     llm = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=1,
@@ -122,6 +123,8 @@ def test_batch1_decode_with_norm_in_gemv_equals_transformers(tiny_model_path, pd
     kernel = llm.engine.model_runner.attention_kernel
     want_pdl = pdl is None and not pdl_missing(torch.device("cuda"))
     assert getattr(kernel, "keywords", {}).get("pdl", False) == want_pdl
+    qkv_gemv = llm.engine.model.model.layers[0].self_attn.qkv_proj.gemv
+    assert llm.engine.l2_prefetch == want_pdl == ("l2_prefetch" in getattr(qkv_gemv, "keywords", {}))
     assert ("split_counters" in getattr(kernel, "keywords", {})) == bool(fused)
     assert (llm.engine.model.model.layers[0].self_attn.rotary_store is not None) == (fused is not False)
     rng = random.Random(5)

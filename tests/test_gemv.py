@@ -261,3 +261,63 @@ def test_gemv_argument_errors():
         linear_gemv(torch.randn(1, 16), w, norm_weight=torch.ones(16, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"^pdl: programmatic dependent launch needs a CUDA device \(got cpu\)"):
         linear_gemv(torch.randn(1, 16), w, pdl=True)
+    with pytest.raises(ValueError, match=r"^l2_prefetch: the bulk prefetch into L2 needs a CUDA device \(got cpu\)"):
+        linear_gemv(torch.randn(1, 16), w, l2_prefetch=torch.zeros(1, 2, dtype=torch.int64))
+
+
+def test_l2_prefetch_table_argument_errors():
+    pytest.importorskip("triton")
+    from minirt.kernels.gemv_triton import l2_prefetch_table
+
+    with pytest.raises(ValueError, match=r"^chunk_bytes: must be a positive multiple of 16, got 24"):
+        l2_prefetch_table([torch.zeros(8)], 24)
+    with pytest.raises(ValueError, match=r"^tensors: give at least one tensor"):
+        l2_prefetch_table([])
+    with pytest.raises(ValueError, match=r"^tensors: each must be a contiguous CUDA tensor .* on cpu"):
+        l2_prefetch_table([torch.zeros(8)])
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+def test_gemv_l2_prefetch_is_a_hint_and_its_table_covers_the_tensors():
+    """The chunks cover each tensor's bytes once, in order, chunk_bytes at a time; a GEMV that asks L2 for them
+    (more chunks than programs, or fewer) gives the same bits as one that does not, eagerly and replayed from a
+    CUDA graph; a table of the wrong dtype is refused."""
+    from minirt.kernels import pdl_missing
+    from minirt.kernels.gemv_triton import l2_prefetch_table, linear_gemv
+
+    if missing := pdl_missing(torch.device("cuda")):
+        pytest.skip(f"the bulk prefetch needs {missing}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    targets = [torch.randn(n, 1024, device="cuda", dtype=torch.bfloat16, generator=gen) for n in (1024, 3000, 8)]
+    for chunk_bytes in (16, 4096, 1 << 20):
+        table = l2_prefetch_table(targets, chunk_bytes).tolist()
+        assert len(table) == sum(-(-t.nbytes // chunk_bytes) for t in targets)
+        covered = {}
+        for address, size in table:
+            t = next(t for t in targets if t.data_ptr() <= address < t.data_ptr() + t.nbytes)
+            assert 0 < size <= chunk_bytes and size % 16 == 0 and address % 16 == 0
+            assert address == t.data_ptr() + covered.get(t.data_ptr(), 0)          # in order, no gap or overlap
+            covered[t.data_ptr()] = covered.get(t.data_ptr(), 0) + size
+        assert covered == {t.data_ptr(): t.nbytes for t in targets}
+    w = torch.randn(4096, 1024, device="cuda", dtype=torch.bfloat16, generator=gen) / 32
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16, generator=gen)
+    norm_w = torch.rand(1024, device="cuda", dtype=torch.bfloat16, generator=gen) + 0.5
+    cases = [(l2_prefetch_table(targets, 4096), {}),                                 # 2,016 chunks, 512 programs
+             (l2_prefetch_table(targets, 1 << 20), {"norm_weight": norm_w}),              # 8 chunks
+             (l2_prefetch_table(targets[2:]),                                              # 1 chunk, 256 programs
+              {"silu_and_mul": True, "norm_weight": norm_w, "residual": x * 2})]
+    for table, kwargs in cases:
+        ref = linear_gemv(x, w, **kwargs)
+        for pdl in (False, True):
+            got = linear_gemv(x, w, l2_prefetch=table, pdl=pdl, **kwargs)
+            assert all(torch.equal(a, b) for a, b in zip(got if isinstance(got, tuple) else (got,),
+                                                         ref if isinstance(ref, tuple) else (ref,)))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = linear_gemv(x, w, l2_prefetch=table, pdl=True)
+    x.copy_(torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, linear_gemv(x, w))
+    with pytest.raises(ValueError, match=r"^l2_prefetch: must be a contiguous int64 \[chunks, 2\] table on cuda"):
+        linear_gemv(x, w, l2_prefetch=l2_prefetch_table(targets).int())

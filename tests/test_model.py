@@ -282,6 +282,46 @@ def test_norm_in_gemv_needs_merged_projections_and_a_gemv(tiny_model_path):
     assert all(layer.norm_in_gemv for layer in model.model.layers)
 
 
+def test_prefetch_next_weights_binds_each_gemv_to_the_weights_after_it(tiny_model_path):
+    """q/k/v -> o_proj -> gate/up -> down -> the next layer's q/k/v, in the order a decode step runs them (checked
+    against that order as the forward pass records it), and (ahead=2, count=2) the two from the one after next;
+    the last ones ask for nothing; refused by name without merged projections and gemv hooks; set_gemv undoes it."""
+    from minirt.model.layers import gemv_reference
+
+    model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
+    table = lambda weights: [w.data_ptr() for w in weights]                            # noqa: E731
+    with pytest.raises(ValueError, match=r"^l2_prefetch: needs merged projections and a gemv kernel"):
+        model.prefetch_next_weights(table)
+    model.merge_projections()
+    with pytest.raises(ValueError, match=r"^l2_prefetch: needs merged projections and a gemv kernel"):
+        model.prefetch_next_weights(table)
+    calls = []
+
+    def gemv(x, w, b, l2_prefetch=None, **kw):
+        calls.append((w.data_ptr(), l2_prefetch))
+        return gemv_reference(x, w, b, **kw)
+
+    model.set_gemv(gemv)
+    model.set_norm_in_gemv(True)
+    model.prefetch_next_weights(table)
+    one = torch.tensor([[5]])
+    model(one, one)
+    layer_calls = calls[:4 * len(model.model.layers)]                  # then the LM head, run by compute_logits
+    assert len(layer_calls) == 4 * len(model.model.layers) >= 8
+    for (_, asked), (after, _) in zip(layer_calls, layer_calls[1:]):
+        assert asked == [after]
+    assert layer_calls[-1][1] is None
+    model.set_gemv(gemv)
+    calls.clear()
+    model(one, one)
+    assert all(asked is None for _, asked in calls)
+    weights = [w for w, _ in calls]
+    model.prefetch_next_weights(table, ahead=2, count=2)
+    calls.clear()
+    model(one, one)
+    assert [asked for _, asked in calls] == [weights[i + 2:i + 4] or None for i in range(len(weights))]
+
+
 def test_forward_without_layers_keeps_the_batch_dimension():
     """No layers, so no residual stream: the output is the final norm of the embedding, `[B, T, hidden]`."""
     from transformers import Qwen3Config

@@ -55,11 +55,12 @@ def num_sms(device: torch.device) -> int:
 def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bool | None,
                           head_dim: int | None = None, rotary_kernel: bool | None = None,
                           pdl: bool | None = None, kv_write_in_rotary: bool | None = None,
-                          combine_in_attention: bool | None = None, prefetch_kv: bool | None = None) -> None:
+                          combine_in_attention: bool | None = None, prefetch_kv: bool | None = None,
+                          l2_prefetch: bool | None = None) -> None:
     """Raise ValueError naming the field if a Triton switch is asked for explicitly (`attention_backend="triton"`,
     `gemv=True`, `rotary_kernel=True`, `pdl=True`, `kv_write_in_rotary=True`, `combine_in_attention=True`,
-    `prefetch_kv=True`) and cannot run on `device`. Callable before any model is loaded: head_dim None skips its
-    checks (the rotary kernel also needs a power-of-two head_dim)."""
+    `prefetch_kv=True`, `l2_prefetch=True`) and cannot run on `device`. Callable before any model is loaded:
+    head_dim None skips its checks (the rotary kernel also needs a power-of-two head_dim)."""
     missing = triton_missing(device, head_dim)
     if missing and attention_backend == "triton":
         raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
@@ -76,6 +77,8 @@ def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bo
     if prefetch_kv and (missing := pdl_missing(device)):
         raise ValueError(f"prefetch_kv: loads K/V before the wait of programmatic dependent launch, which needs "
                          f"{' and '.join(missing)}")
+    if l2_prefetch and (missing := pdl_missing(device)):
+        raise ValueError(f"l2_prefetch: the bulk prefetch into L2 needs {' and '.join(missing)}")
 
 
 def select_paged_attention(backend: str, device: torch.device, head_dim: int, split_kv: bool = True):

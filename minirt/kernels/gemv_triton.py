@@ -38,6 +38,7 @@ MAX_BLOCK_K = 4096      # one-row programs read up to this much of their row per
 PROGRAMS_PER_SM = 2     # fewer programs leave multiprocessors idle or too few bytes in flight to hide latency
 MAX_SPLIT_K = 8
 NUM_WARPS = 4
+L2_PREFETCH_CHUNK = 16384   # bytes per bulk prefetch request (`l2_prefetch_table`)
 
 
 class GemvConfig(NamedTuple):
@@ -48,12 +49,26 @@ class GemvConfig(NamedTuple):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
+def _prefetch_l2(address, size):
+    """Thread 0 of the program asks the copy engine (TMA) to bring `size` bytes at `address` into the L2 cache
+    (`cp.async.bulk.prefetch.L2`, Hopper and later): a hint that holds no registers and is not waited for."""
+    tl.inline_asm_elementwise(
+        "{ .reg .u32 tid; .reg .pred p; mov.u32 tid, %tid.x; setp.eq.u32 p, tid, 0; "
+        "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [address, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefetch, N, K, stride_x, eps,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+                 SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                 L2_PREFETCH: tl.constexpr):
     split = tl.program_id(1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()             # the next kernel may start (and load its weights)
+    if L2_PREFETCH:     # chunks of the weights the kernels after this one read, asked of L2 by turns
+        for chunk in range(tl.program_id(0) * SPLIT_K + split, num_prefetch, tl.num_programs(0) * SPLIT_K):
+            _prefetch_l2(tl.load(Prefetch + 2 * chunk), tl.load(Prefetch + 2 * chunk + 1).to(tl.int32))
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows.to(tl.int64)[:, None] * K          # int64: N * K can pass 2**31 (a large vocabulary)
@@ -146,9 +161,32 @@ def choose_config(n: int, k: int, sm_count: int, split_k: bool = True) -> GemvCo
     return GemvConfig(1, block_k, splits)
 
 
+def l2_prefetch_table(tensors, chunk_bytes: int = L2_PREFETCH_CHUNK) -> torch.Tensor:
+    """What `linear_gemv(l2_prefetch=...)` asks the L2 cache for: the bytes of `tensors` (contiguous CUDA tensors
+    on one device, each 16-byte aligned and a multiple of 16 bytes long, as the bulk copy engine needs) cut into
+    chunks of chunk_bytes (a multiple of 16; a tensor's last chunk may be shorter), as an int64 `[chunks, 2]`
+    tensor of (address, bytes) on their device. Build it once, before any CUDA graph capture (it copies from the
+    host). Raises ValueError naming tensors or chunk_bytes."""
+    tensors = list(tensors)
+    if not tensors:
+        raise ValueError("tensors: give at least one tensor to prefetch")
+    if chunk_bytes < 16 or chunk_bytes % 16:
+        raise ValueError(f"chunk_bytes: must be a positive multiple of 16, got {chunk_bytes}")
+    for t in tensors:
+        if (t.device != tensors[0].device or t.device.type != "cuda" or not t.is_contiguous()
+                or t.data_ptr() % 16 or t.nbytes % 16):
+            raise ValueError(f"tensors: each must be a contiguous CUDA tensor on one device, 16-byte aligned and a "
+                             f"multiple of 16 bytes long, got {tuple(t.shape)} {t.dtype} on {t.device} "
+                             f"({t.nbytes} bytes at address {t.data_ptr():#x})")
+    rows = [(t.data_ptr() + start, min(chunk_bytes, t.nbytes - start))
+            for t in tensors for start in range(0, t.nbytes, chunk_bytes)]
+    return torch.tensor(rows, dtype=torch.int64).to(tensors[0].device)
+
+
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 config: GemvConfig | None = None, silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None,
-                eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False):
+                eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False,
+                l2_prefetch: torch.Tensor | None = None):
     """`torch.nn.functional.linear(x, weight, bias)` for one row: x `[..., K]` with x.numel() == K, weight
     `[N, K]` contiguous, bias `[N]` or None -> `[..., N]` in x.dtype, accumulated in float32.
 
@@ -167,6 +205,11 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     "GEMM with weight prefetch"): the kernel may start while the kernel before it finishes; it issues its first
     weight loads, then waits (`griddepcontrol.wait`) before reading x, so loading weights overlaps the previous
     kernel's tail. Raises ValueError if `minirt.kernels.pdl_missing(x.device)` lists anything.
+    l2_prefetch: None, or a table from `l2_prefetch_table`: before its own loads, the kernel's programs ask the L2
+    cache for its chunks, by turns (Hopper's bulk prefetch, which needs what PDL needs), so that the weights a
+    later kernel reads stream in from memory while this one leaves the memory bus partly idle; that kernel then
+    finds them in L2 (the weight streaming of persistent "megakernels", one kernel early). A hint: the result
+    does not change.
     config: block sizes (None: `choose_config`). No host syncs: safe inside a CUDA graph capture.
     Raises ValueError naming the argument for shapes, strides, dtypes or devices that do not fit."""
     if x.dim() == 0 or math.prod(x.shape[:-1]) != 1:
@@ -196,11 +239,18 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     whole_k = silu_and_mul or norm_weight is not None
     if whole_k and config is not None and config.split_k > 1:
         raise ValueError(f"config: silu_and_mul and norm_weight never split K, got split_k={config.split_k}")
-    if pdl:
+    if pdl or l2_prefetch is not None:
         from minirt.kernels import pdl_missing
 
         if missing := pdl_missing(x.device):
-            raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
+            name = "pdl: programmatic dependent launch" if pdl else "l2_prefetch: the bulk prefetch into L2"
+            raise ValueError(f"{name} needs {' and '.join(missing)}")
+    if l2_prefetch is not None and (l2_prefetch.dtype != torch.int64 or l2_prefetch.device != x.device
+                                    or l2_prefetch.dim() != 2 or l2_prefetch.shape[1] != 2
+                                    or not l2_prefetch.is_contiguous()):
+        raise ValueError(f"l2_prefetch: must be a contiguous int64 [chunks, 2] table on {x.device} "
+                         f"(l2_prefetch_table), got {l2_prefetch.dtype} {tuple(l2_prefetch.shape)} on "
+                         f"{l2_prefetch.device}")
 
     out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
     stream = x if residual is None else torch.empty_like(x)
@@ -212,14 +262,16 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     xv = x.reshape(k)                                      # a view: one row has a single stride along K
     has_bias = bias is not None
     part = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1 else out
+    grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = {"launch_pdl": True} if pdl else {}
-    _gemv_kernel[(triton.cdiv(n, cfg.block_n), cfg.split_k)](
+    _gemv_kernel[grid](
         xv, weight, bias if has_bias else out, out, part,
         residual if residual is not None else out, norm_weight if norm_weight is not None else out, stream,
+        l2_prefetch if l2_prefetch is not None else out, 0 if l2_prefetch is None else l2_prefetch.shape[0],
         n, k, xv.stride(0), eps,
         HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         SILU_AND_MUL=silu_and_mul, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
-        num_warps=cfg.num_warps, **launch)
+        L2_PREFETCH=l2_prefetch is not None, num_warps=cfg.num_warps, **launch)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, bias if has_bias else out, out, n,
                                                     HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK=1024, PDL=pdl,

@@ -13,6 +13,7 @@ Parameter names equal those of `transformers`' checkpoints (`model.layers.0.self
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -227,6 +228,24 @@ class DecoderModel(nn.Module):
             raise ValueError("norm_in_gemv: needs merged projections and a gemv kernel (merge_projections, set_gemv)")
         for layer in self.model.layers:
             layer.norm_in_gemv = enabled
+
+    def prefetch_next_weights(self, table, ahead: int = 1, count: int = 1) -> None:
+        """Have every one-row GEMV ask the L2 cache for the weights of the GEMV after it in a decode step: q/k/v
+        for o_proj, o_proj for gate/up, gate/up for down, down for the next layer's q/k/v (more generally, for the
+        `count` GEMVs from the `ahead`-th one after it on). `table` (e.g.
+        `minirt.kernels.gemv_triton.l2_prefetch_table`) turns a list of weights into the `l2_prefetch` argument
+        that is bound into each projection's `gemv` hook, once. At batch 1 each GEMV reads its weights at about
+        half the memory bandwidth; the next weights then stream in beside them, and the next GEMV starts on L2
+        hits. On an H200, prefetching further ahead or more was slower (`benchmarks/l2_prefetch.py`, chapter 07).
+        Needs merged projections and gemv hooks (`merge_projections`, `set_gemv`, which undoes this); raises
+        ValueError naming l2_prefetch otherwise."""
+        chain = [proj for layer in self.model.layers for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                  layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        if any(proj is None or proj.gemv is None for proj in chain):
+            raise ValueError("l2_prefetch: needs merged projections and a gemv kernel (merge_projections, set_gemv)")
+        for i, proj in enumerate(chain):
+            if after := chain[i + ahead:i + ahead + count]:
+                proj.gemv = functools.partial(proj.gemv, l2_prefetch=table([p.weight for p in after]))
 
     def merge_projections(self) -> None:
         """One GEMM for q/k/v and one for gate/up in every layer (see `minirt.model.layers.merge_linears`).
