@@ -442,7 +442,8 @@ ON_OFF_SWITCHES = (
     ("kv_write_in_rotary", "minirt's K/V cache write inside the rotary kernel (auto: with the rotary kernel)"),
     ("combine_in_attention", "minirt's split-KV combine inside the attention kernel (auto: off; slower where PDL runs)"),
     ("prefetch_kv", "minirt's attention kernel loads earlier steps' K/V before its PDL wait (auto: with PDL)"),
-    ("l2_prefetch", "minirt's one-row GEMVs ask L2 for the next GEMV's weights (auto: with the GEMV kernel and PDL)"),
+    ("l2_prefetch", "minirt's one-row GEMVs ask L2 for the next GEMV's weights (auto: with the GEMV kernel, merged "
+                    "projections and PDL)"),
 )
 
 

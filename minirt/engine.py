@@ -64,12 +64,12 @@ def refuse_before_loading(config: EngineConfig, device: torch.device) -> None:
     refuse_missing_triton(device, c.attention_backend, c.gemv, rotary_kernel=c.rotary_kernel, pdl=c.pdl,
                           kv_write_in_rotary=c.kv_write_in_rotary, combine_in_attention=c.combine_in_attention,
                           prefetch_kv=c.prefetch_kv, l2_prefetch=c.l2_prefetch)
-    for name in ("norm_in_gemv", "l2_prefetch"):
-        if getattr(c, name) and c.gemv is None and (device.type != "cuda" or c.enforce_eager):
-            raise ValueError(f"{name}: needs the GEMV kernel, which is off without CUDA graphs "
-                             f"(device {device.type}, enforce_eager={c.enforce_eager}); pass gemv=True where it can run")
     no_graphs = device.type != "cuda" or c.enforce_eager or c.attention_backend == "torch"
     where = f"device {device.type}, enforce_eager={c.enforce_eager}, attention_backend={c.attention_backend!r}"
+    for name in ("norm_in_gemv", "l2_prefetch"):
+        if getattr(c, name) and c.gemv is None and no_graphs:
+            raise ValueError(f"{name}: needs the GEMV kernel, which is off without CUDA graphs ({where}); pass "
+                             "gemv=True where it can run")
     if c.kv_write_in_rotary and c.rotary_kernel is None and no_graphs:
         raise ValueError(f"kv_write_in_rotary: needs the rotary kernel, which is off without CUDA graphs ({where}); "
                          "pass rotary_kernel=True where it can run")
@@ -90,6 +90,8 @@ def default_num_kv_blocks(config, dtype: torch.dtype, device: torch.device, bloc
     fewer blocks than one request of `max_model_len` tokens needs.
     """
     per_token = kv_bytes_per_token(config, dtype)
+    if per_token == 0:                                   # no layers, no K/V: any pool will do
+        return blocks_needed(max_model_len, 0, block_size)
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         tokens = int(free * GPU_MEMORY_UTILIZATION) // per_token

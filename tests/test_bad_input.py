@@ -187,9 +187,15 @@ def test_gemv_switches_refused_without_their_gemv(tiny_models, monkeypatch, fiel
     with pytest.raises(ValueError, match=rf"^{field}: .* got gemv=None, merge_projections=False"):
         EngineConfig(merge_projections=False, **{field: True})
     monkeypatch.setattr(minirt.engine, "refuse_missing_triton", lambda *a, **k: None)
+    monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
     with pytest.raises(ValueError, match=rf"^{field}: needs the GEMV kernel, which is off without CUDA graphs "
-                                         r"\(device cpu, enforce_eager=False\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", **{field: True})    # refused before the model loads
+                                         r"\(device cpu, enforce_eager=False, attention_backend='auto'\)"):
+        minirt.Engine(tiny_models["llama"], device="cpu", **{field: True})
+    from minirt.engine import refuse_before_loading
+
+    with pytest.raises(ValueError, match=rf"^{field}: needs the GEMV kernel, .*\(device cuda, enforce_eager=False, "
+                                         r"attention_backend='torch'\)"):
+        refuse_before_loading(EngineConfig(attention_backend="torch", **{field: True}), __import__("torch").device("cuda"))
 
 
 @pytest.mark.parametrize("device,words", [("cuda:99", "device: 'cuda:99'"), ("foo", "device: expected 'cpu'"),

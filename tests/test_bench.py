@@ -156,6 +156,14 @@ def test_ab_benchmark_parses_settings_and_refuses_bad_ones(capsys):
         assert ab.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
 
 
+def test_l2_prefetch_benchmark_refuses_bad_arguments(capsys):
+    l2 = _benchmark_module("l2_prefetch")
+    assert l2.main(["--rounds", "0"]) == 2 and "--rounds: must be >= 1, got 0" in capsys.readouterr().err
+    assert list(l2.SCHEMES.values())[:2] == [None, (1, 1)]       # the baseline first, then the engine's default
+    if not __import__("torch").cuda.is_available():
+        assert l2.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
+
+
 def test_gemv_benchmark_needs_cuda(monkeypatch, capsys):
     if __import__("torch").cuda.is_available():
         pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")

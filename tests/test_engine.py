@@ -366,3 +366,14 @@ def test_interrupting_llm_generate_under_a_running_loop_stops_it(tiny_models):
     assert stats["num_waiting"] == stats["num_prefilling"] == stats["num_running"] == 0
     outs = llm.generate(prompts, minirt.SamplingParams(max_new_tokens=3, ignore_eos=True))
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_models["llama"], p, 3) for p in prompts]
+
+
+def test_default_pool_of_a_model_without_layers():
+    """No layers means no K/V bytes per token: the pool is sized to one request of max_model_len, no division by 0."""
+    from types import SimpleNamespace
+
+    from minirt.engine import default_num_kv_blocks
+
+    config = SimpleNamespace(num_hidden_layers=0, num_key_value_heads=2, head_dim=32, hidden_size=64,
+                             num_attention_heads=2)
+    assert default_num_kv_blocks(config, torch.float32, torch.device("cpu"), 16, 100, 4) == 7

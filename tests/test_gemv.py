@@ -265,6 +265,27 @@ def test_gemv_argument_errors():
         linear_gemv(torch.randn(1, 16), w, l2_prefetch=torch.zeros(1, 2, dtype=torch.int64))
 
 
+def test_prefetch_chunks_cover_each_span_once_in_order():
+    """The arithmetic of `l2_prefetch_table`, on plain numbers: spans whole, half and not a multiple of the chunk."""
+    pytest.importorskip("triton")
+    from minirt.kernels.gemv_triton import prefetch_chunks
+
+    spans = [(4096, 64), (65536, 48), (1 << 20, 16), (1 << 30, 160)]
+    for chunk in (16, 32, 64, 1024):
+        chunks = prefetch_chunks(spans, chunk)
+        assert len(chunks) == sum(-(-n // chunk) for _, n in spans)
+        assert all(0 < size <= chunk for _, size in chunks)
+        i = 0
+        for address, nbytes in spans:
+            covered = 0
+            while covered < nbytes:
+                assert chunks[i] == (address + covered, min(chunk, nbytes - covered))
+                covered += chunks[i][1]
+                i += 1
+            assert covered == nbytes
+        assert i == len(chunks)
+
+
 def test_l2_prefetch_table_argument_errors():
     pytest.importorskip("triton")
     from minirt.kernels.gemv_triton import l2_prefetch_table
@@ -312,6 +333,7 @@ def test_gemv_l2_prefetch_is_a_hint_and_its_table_covers_the_tensors():
             got = linear_gemv(x, w, l2_prefetch=table, pdl=pdl, **kwargs)
             assert all(torch.equal(a, b) for a, b in zip(got if isinstance(got, tuple) else (got,),
                                                          ref if isinstance(ref, tuple) else (ref,)))
+    table = cases[0][0]                                     # more chunks than programs
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = linear_gemv(x, w, l2_prefetch=table, pdl=True)

@@ -303,7 +303,12 @@ def test_prefetch_next_weights_binds_each_gemv_to_the_weights_after_it(tiny_mode
 
     model.set_gemv(gemv)
     model.set_norm_in_gemv(True)
+    for name, value in (("ahead", 0), ("count", -1), ("count", 1.5)):
+        with pytest.raises(ValueError, match=rf"^{name}: must be an integer >= 1, got {value}"):
+            model.prefetch_next_weights(table, **{name: value})
     model.prefetch_next_weights(table)
+    with pytest.raises(ValueError, match=r"^l2_prefetch: the gemv hooks already ask for a prefetch; set_gemv undoes"):
+        model.prefetch_next_weights(table, ahead=2)
     one = torch.tensor([[5]])
     model(one, one)
     layer_calls = calls[:4 * len(model.model.layers)]                  # then the LM head, run by compute_logits

@@ -50,7 +50,7 @@ class GemvConfig(NamedTuple):
 
 @triton.jit
 def _prefetch_l2(address, size):
-    """Thread 0 of the program asks the copy engine (TMA) to bring `size` bytes at `address` into the L2 cache
+    """Thread 0 of the program asks the SM's bulk-copy unit (TMA) to bring `size` bytes at `address` into the L2 cache
     (`cp.async.bulk.prefetch.L2`, Hopper and later): a hint that holds no registers and is not waited for."""
     tl.inline_asm_elementwise(
         "{ .reg .u32 tid; .reg .pred p; mov.u32 tid, %tid.x; setp.eq.u32 p, tid, 0; "
@@ -163,7 +163,7 @@ def choose_config(n: int, k: int, sm_count: int, split_k: bool = True) -> GemvCo
 
 def l2_prefetch_table(tensors, chunk_bytes: int = L2_PREFETCH_CHUNK) -> torch.Tensor:
     """What `linear_gemv(l2_prefetch=...)` asks the L2 cache for: the bytes of `tensors` (contiguous CUDA tensors
-    on one device, each 16-byte aligned and a multiple of 16 bytes long, as the bulk copy engine needs) cut into
+    on one device, each 16-byte aligned and a multiple of 16 bytes long, as the bulk copy needs) cut into
     chunks of chunk_bytes (a multiple of 16; a tensor's last chunk may be shorter), as an int64 `[chunks, 2]`
     tensor of (address, bytes) on their device. Build it once, before any CUDA graph capture (it copies from the
     host). Raises ValueError naming tensors or chunk_bytes."""
@@ -178,9 +178,15 @@ def l2_prefetch_table(tensors, chunk_bytes: int = L2_PREFETCH_CHUNK) -> torch.Te
             raise ValueError(f"tensors: each must be a contiguous CUDA tensor on one device, 16-byte aligned and a "
                              f"multiple of 16 bytes long, got {tuple(t.shape)} {t.dtype} on {t.device} "
                              f"({t.nbytes} bytes at address {t.data_ptr():#x})")
-    rows = [(t.data_ptr() + start, min(chunk_bytes, t.nbytes - start))
-            for t in tensors for start in range(0, t.nbytes, chunk_bytes)]
+    rows = prefetch_chunks([(t.data_ptr(), t.nbytes) for t in tensors], chunk_bytes)
     return torch.tensor(rows, dtype=torch.int64).to(tensors[0].device)
+
+
+def prefetch_chunks(spans: list[tuple[int, int]], chunk_bytes: int) -> list[tuple[int, int]]:
+    """(address, bytes) spans -> the (address, bytes) chunks of `l2_prefetch_table`: each span cut at every
+    chunk_bytes from its start, the last piece shorter when the span is not a multiple of chunk_bytes."""
+    return [(address + start, min(chunk_bytes, nbytes - start))
+            for address, nbytes in spans for start in range(0, nbytes, chunk_bytes)]
 
 
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,

@@ -234,15 +234,20 @@ class DecoderModel(nn.Module):
         for o_proj, o_proj for gate/up, gate/up for down, down for the next layer's q/k/v (more generally, for the
         `count` GEMVs from the `ahead`-th one after it on). `table` (e.g.
         `minirt.kernels.gemv_triton.l2_prefetch_table`) turns a list of weights into the `l2_prefetch` argument
-        that is bound into each projection's `gemv` hook, once. At batch 1 each GEMV reads its weights at about
+        that is bound into each projection's `gemv` hook. At batch 1 each GEMV reads its weights at about
         half the memory bandwidth; the next weights then stream in beside them, and the next GEMV starts on L2
         hits. On an H200, prefetching further ahead or more was slower (`benchmarks/l2_prefetch.py`, chapter 07).
-        Needs merged projections and gemv hooks (`merge_projections`, `set_gemv`, which undoes this); raises
-        ValueError naming l2_prefetch otherwise."""
+        Needs merged projections and gemv hooks without a prefetch bound yet (`merge_projections`, `set_gemv`, which
+        undoes this). Raises ValueError naming l2_prefetch, ahead or count otherwise."""
+        for name, value in (("ahead", ahead), ("count", count)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         chain = [proj for layer in self.model.layers for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)]
         if any(proj is None or proj.gemv is None for proj in chain):
             raise ValueError("l2_prefetch: needs merged projections and a gemv kernel (merge_projections, set_gemv)")
+        if any("l2_prefetch" in getattr(proj.gemv, "keywords", {}) for proj in chain):
+            raise ValueError("l2_prefetch: the gemv hooks already ask for a prefetch; set_gemv undoes it")
         for i, proj in enumerate(chain):
             if after := chain[i + ahead:i + ahead + count]:
                 proj.gemv = functools.partial(proj.gemv, l2_prefetch=table([p.weight for p in after]))
