@@ -36,41 +36,40 @@ from minirt.bench import bench, build_random_qwen3, environment, free_memory, ma
 from minirt.kernels import pdl_missing
 from minirt.metrics import format_table
 
-#: (label, minirt.LLM settings): each step adds one optimization to the one before.
+#: The settings of the first step: every optimization off.
 _OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False,
             gemv=False, num_scheduler_steps=1, norm_in_gemv=False, rotary_kernel=False, pdl=False,
             kv_write_in_rotary=False, combine_in_attention=False, prefetch_kv=False, l2_prefetch=False)
-_GRAPHS = {**_OFF, "attention_backend": "triton", "enforce_eager": False}
-STEPS = [
-    ("eager, torch attention", _OFF),
-    ("+ Triton paged attention", {**_OFF, "attention_backend": "triton"}),
-    ("+ CUDA graphs (decode)", _GRAPHS),
-    ("+ fused ops (torch.compile)", {**_GRAPHS, "fused_ops": True}),
-    ("+ merged projections", {**_GRAPHS, "fused_ops": True, "merge_projections": True}),
-    ("+ split-KV decode attention", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True}),
-    ("+ Triton GEMV (batch 1)", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
-                                 "gemv": True}),
-    ("+ multi-step decode (8 steps)", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
-                                       "gemv": True, "num_scheduler_steps": 8}),
-    ("+ norms in the GEMV prologue", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
-                                      "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True}),
-    ("+ one q/k rotary kernel", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
-                                 "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True, "rotary_kernel": True}),
-    ("+ programmatic dependent launch", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
-                                         "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True,
-                                         "rotary_kernel": True, "pdl": True}),
-    ("+ K/V write in the rotary kernel", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
-                                          "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True,
-                                          "rotary_kernel": True, "pdl": True, "kv_write_in_rotary": True}),
-    ("+ K/V prefetch before the PDL wait", {**_GRAPHS, "fused_ops": True, "merge_projections": True,
-                                            "split_kv": True, "gemv": True, "num_scheduler_steps": 8,
-                                            "norm_in_gemv": True, "rotary_kernel": True, "pdl": True,
-                                            "kv_write_in_rotary": True, "prefetch_kv": True}),
-    ("+ next GEMV's weights into L2", {**_GRAPHS, "fused_ops": True, "merge_projections": True, "split_kv": True,
-                                       "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True,
-                                       "rotary_kernel": True, "pdl": True, "kv_write_in_rotary": True,
-                                       "prefetch_kv": True, "l2_prefetch": True}),
+#: (label, what the step changes in the settings of the step before it).
+_CHANGES = [
+    ("eager, torch attention", {}),
+    ("+ Triton paged attention", {"attention_backend": "triton"}),
+    ("+ CUDA graphs (decode)", {"enforce_eager": False}),
+    ("+ fused ops (torch.compile)", {"fused_ops": True}),
+    ("+ merged projections", {"merge_projections": True}),
+    ("+ split-KV decode attention", {"split_kv": True}),
+    ("+ Triton GEMV (batch 1)", {"gemv": True}),
+    ("+ multi-step decode (8 steps)", {"num_scheduler_steps": 8}),
+    ("+ norms in the GEMV prologue", {"norm_in_gemv": True}),
+    ("+ one q/k rotary kernel", {"rotary_kernel": True}),
+    ("+ programmatic dependent launch", {"pdl": True}),
+    ("+ K/V write in the rotary kernel", {"kv_write_in_rotary": True}),
+    ("+ K/V prefetch before the PDL wait", {"prefetch_kv": True}),
+    ("+ next GEMV's weights into L2", {"l2_prefetch": True}),
 ]
+
+
+def _cumulative(changes: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
+    """(label, change) pairs -> (label, minirt.LLM settings): each step's change applied on the step before's."""
+    settings, steps = _OFF, []
+    for label, change in changes:
+        settings = {**settings, **change}
+        steps.append((label, settings))
+    return steps
+
+
+#: (label, minirt.LLM settings): each step adds one optimization to the one before.
+STEPS = _cumulative(_CHANGES)
 
 
 def kernels_of(prof) -> tuple[int, float, Counter]:
@@ -147,13 +146,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default=None,
                         help=f"comma-separated step numbers 0-{len(STEPS) - 1} to run (default: all)")
     args = parser.parse_args(argv)
-    try:
-        chosen = [STEPS[int(i)] for i in args.steps.split(",")] if args.steps else STEPS
-        if args.steps and any(int(i) < 0 for i in args.steps.split(",")):
-            raise IndexError
-    except (ValueError, IndexError):
+    numbers = args.steps.split(",") if args.steps else [str(i) for i in range(len(STEPS))]
+    if not all(n.isdigit() and int(n) < len(STEPS) for n in numbers):
         print(f"error: --steps: comma-separated step numbers 0-{len(STEPS) - 1}, got {args.steps!r}", file=sys.stderr)
         return 2
+    chosen = [STEPS[int(n)] for n in numbers]
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device (the optimizations are GPU ones)", file=sys.stderr)
         return 2
