@@ -3,7 +3,7 @@
     python benchmarks/l2_prefetch.py [--rounds 8] [--out benchmarks/results]
 
 `EngineConfig.l2_prefetch` has each one-row GEMV of a decode step ask L2 for the weights of the GEMV right after
-it (`minirt.model.decoder.DecoderModel.prefetch_next_weights`, ahead=1, count=1). Here each setting gets a
+it (`minirt.fast.layers.bind_l2_prefetch`, ahead=1, count=1). Here each setting gets a
 `minirt.LLM` built without it, whose GEMV hooks are then bound with another (ahead, count) and whose decode graphs
 are captured again; the rounds run as in `ab.py` (one 512-token prompt, 256 new tokens per round and setting,
 alternating order). Prints the table and writes `l2-prefetch-cuda-<date>.json`.
@@ -32,9 +32,10 @@ SCHEMES = {"off": None, "the next GEMV (the default)": (1, 1), "the one after ne
 
 def rebind(llm, ahead: int, count: int) -> None:
     """Bind (ahead, count) into an engine built with l2_prefetch off, and capture its decode graphs again."""
+    from minirt.fast.layers import bind_l2_prefetch
     from minirt.kernels.gemv_triton import l2_prefetch_table
 
-    llm.engine.model.prefetch_next_weights(l2_prefetch_table, ahead, count)
+    bind_l2_prefetch(llm.engine.model, l2_prefetch_table, ahead, count)
     graphs = llm.engine.model_runner.decode_graphs
     graphs.graphs.clear()
     graphs.outputs.clear()

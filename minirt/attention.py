@@ -149,44 +149,17 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 class PagedAttention:
     """Attention backend over one preallocated paged KV cache (see `minirt.kv.paged_cache`).
 
-    `kv_cache` `[num_layers, 2, num_blocks, block_size, Hkv, D]`. Each call writes the new tokens'
-    K/V into their slots (`store`), then attends over each sequence's whole context (`kernel`).
+    `kv_cache` `[num_layers, 2, num_blocks, block_size, Hkv, D]`. Each call writes the new tokens' K/V into
+    their slots (`store_kv`), then attends over each sequence's whole context (`paged_attention_reference`).
     """
 
-    def __init__(self, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, kernel=paged_attention_reference,
-                 store=store_kv):
+    def __init__(self, kv_cache: torch.Tensor, meta: PagedAttentionMetadata):
         self.kv_cache = kv_cache
         self.meta = meta
-        self.kernel = kernel          # paged_attention_reference, or a GPU kernel with the same contract
-        self.store = store            # store_kv, or a GPU kernel with the same contract
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        assert q.shape[0] == 1, "paged attention takes a packed batch [1, num_tokens]"
+        if q.shape[0] != 1:
+            raise ValueError(f"q: paged attention takes a packed batch [1, num_tokens, ...], got {tuple(q.shape)}")
         k_cache, v_cache = self.kv_cache[layer_idx]
-        self.store(k_cache, v_cache, k[0], v[0], self.meta.slot_mapping)
-        return self.attend(layer_idx, q)
-
-    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        """Attention alone, for a caller that has already written this step's K/V into layer `layer_idx`'s
-        cache at `meta.slot_mapping` (`DecoderAttention.rotary_store`). q `[1, num_tokens, H, D]`."""
-        k_cache, v_cache = self.kv_cache[layer_idx]
-        return self.kernel(q[0], k_cache, v_cache, self.meta)[None]
-
-
-# ----------------------------------------------------------------------------------- split-KV (chapter 07)
-
-
-def combine_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
-    """Exact attention output from split-KV partial results (flash-decoding; Dao et al. 2023).
-
-    Split `j` of a query's keys kept its running softmax over its share of the keys: `m[..., j]` the
-    largest score, `l[..., j] = sum exp(score - m_j)`, `acc[..., j, :] = sum exp(score - m_j) * value`.
-    acc `[..., num_splits, head_dim]`, m and l `[..., num_splits]` (float32) -> `[..., head_dim]`:
-
-        out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j,   M = max_j m_j.
-
-    A split with no keys has m = -inf, l = 0, acc = 0 and weight 0. The torch reference of the Triton
-    kernel's `_combine_splits_kernel` (`minirt.kernels.paged_attention_triton`).
-    """
-    weights = torch.exp(m - m.amax(dim=-1, keepdim=True))                 # [..., num_splits]
-    return (weights[..., None] * acc).sum(dim=-2) / (weights * l).sum(dim=-1, keepdim=True)
+        store_kv(k_cache, v_cache, k[0], v[0], self.meta.slot_mapping)
+        return paged_attention_reference(q[0], k_cache, v_cache, self.meta)[None]

@@ -41,7 +41,7 @@ from torch.nn.attention import sdpa_kernel
 
 from minirt.attention import CUDA_SDPA_BACKENDS
 from minirt.config import EngineConfig
-from minirt.engine import refuse_before_loading
+from minirt.fast import resolve_plan
 
 # Qwen3-0.6B's configuration (Qwen/Qwen3-0.6B config.json), built with random weights: no download needed.
 QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -282,6 +282,16 @@ def compute_ratios(results: dict, device_type: str) -> list[dict]:
     return ratios
 
 
+def kernel_name(runner) -> str:
+    """The attention kernel a model runner calls, with its bound options (the split counters left out)."""
+    kernel = getattr(runner, "kernel", None)
+    if kernel is None:
+        return "paged_attention_reference"
+    if not hasattr(kernel, "func"):
+        return kernel.__name__
+    return f"{kernel.func.__name__}{ {k: v for k, v in kernel.keywords.items() if k != 'split_counters'} }"
+
+
 def bench(device: torch.device, workloads: list[str], quick: bool = False, model: str | None = None,
           baselines: tuple[str, ...] = ("hf_generate",), seed: int = 0, engine_kwargs: dict | None = None) -> dict:
     """Run minirt and the baselines on each workload; returns the report that `run` writes as JSON.
@@ -311,23 +321,10 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
 
         llm = minirt.LLM(model, device=device, dtype=dtype, **(engine_kwargs or {}))
         engine = llm.engine
-        kernel = engine.model_runner.attention_kernel
         report["settings"]["engine_resolved"] = {
-            "attention_kernel": getattr(kernel, "__name__", None) or f"{kernel.func.__name__}"
-                                f"{ {k: v for k, v in kernel.keywords.items() if k != 'split_counters'} }",
-            "cuda_graphs": engine.model_runner.decode_graphs is not None,
-            "fused_ops": engine.model.model.norm.fuse,
-            "merged_projections": engine.model.model.layers[0].self_attn.qkv_proj is not None,
-            "gemv": engine.model.lm_head.gemv is not None, "num_scheduler_steps": engine.num_scheduler_steps,
-            "norm_in_gemv": engine.model.model.layers[0].norm_in_gemv,
-            "rotary_kernel": engine.model.model.layers[0].self_attn.rotary_kernel is not None,
-            "pdl": engine.pdl,
-            "kv_write_in_rotary": engine.model.model.layers[0].self_attn.rotary_store is not None,
-            "combine_in_attention": "split_counters" in getattr(kernel, "keywords", {}),
-            "prefetch_kv": bool(getattr(kernel, "keywords", {}).get("prefetch_kv", False)),
-            "l2_prefetch": engine.l2_prefetch,
-            "num_kv_blocks": engine.config.num_kv_blocks,
-            "max_num_seqs": engine.config.max_num_seqs, "max_model_len": engine.config.max_model_len}
+            **engine.plan.as_dict(), "attention_kernel": kernel_name(engine.model_runner),
+            "num_kv_blocks": engine.config.num_kv_blocks, "max_num_seqs": engine.config.max_num_seqs,
+            "max_model_len": engine.config.max_model_len}
         vocab = llm.engine.model.config.vocab_size
         report["model"]["weight_bytes"] = weight_bytes = sum(p.numel() * p.element_size()
                                                              for p in llm.engine.model.parameters())
@@ -464,6 +461,18 @@ def engine_kwargs_of(args) -> dict:
     return kwargs
 
 
+def model_config_of(model: str | None, device: torch.device):
+    """The HF config of the checkpoint the bench will run: `model`'s, or the default of `device`'s type."""
+    from transformers import Qwen3Config
+
+    import minirt
+    from minirt.model.loader import load_config, resolve_checkpoint
+
+    if model is None and device.type == "cuda":
+        return Qwen3Config(**QWEN3_0_6B)
+    return load_config(resolve_checkpoint(model or minirt.DEFAULT_MODEL))
+
+
 def run(args) -> int:
     """Run `bench`: print the tables, write the JSON report. Exit status 1 if minirt's greedy tokens differ
     from transformers' in float32 (the correctness guard), 2 on bad arguments."""
@@ -479,8 +488,8 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
     engine_kwargs = engine_kwargs_of(args)
-    try:                   # checked before the model is built (the head_dim check waits for the engine)
-        refuse_before_loading(EngineConfig(**engine_kwargs), device)
+    try:                   # checked before any model is built
+        resolve_plan(EngineConfig(**engine_kwargs), device, model_config_of(args.model, device))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -22,7 +22,6 @@ leaving futures pending, and later submissions are refused until the engine is r
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import os
@@ -31,16 +30,12 @@ from typing import AsyncIterator
 
 import torch
 
-from minirt.attention import paged_attention_reference
-from minirt.config import EngineConfig, cdiv
-from minirt.cuda_graphs import DecodeGraphs
-from minirt.kernels import pdl_missing, refuse_missing_triton, select_paged_attention
+from minirt.config import EngineConfig
+from minirt.fast import build_model_runner, build_step, resolve_plan
 from minirt.kv.block_pool import BlockPool
-from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
+from minirt.kv.paged_cache import kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
-from minirt.model.layers import head_dim_of
-from minirt.model.loader import load_model, resolve_device
-from minirt.model_runner import ModelRunner
+from minirt.model.loader import load_config, load_model, resolve_checkpoint, resolve_device
 from minirt.request import Request, RequestOutput, StreamDelta
 from minirt.sampling import SamplingParams
 from minirt.scheduler import Scheduler, blocks_needed
@@ -54,28 +49,6 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "default_model")
 CPU_KV_CACHE_BYTES = 256 * 2**20
 CPU_KV_CACHE_TOKENS = 65536
 GPU_MEMORY_UTILIZATION = 0.85
-
-
-def refuse_before_loading(config: EngineConfig, device: torch.device) -> None:
-    """Raise ValueError naming the field for a switch asked for explicitly that cannot run on `device` or with the
-    other settings, as far as that is known before the checkpoint is loaded (its head_dim is checked after).
-    `Engine` calls it first, and `python -m minirt bench` too, so that a bad flag exits before anything runs."""
-    c = config
-    refuse_missing_triton(device, c.attention_backend, c.gemv, rotary_kernel=c.rotary_kernel, pdl=c.pdl,
-                          kv_write_in_rotary=c.kv_write_in_rotary, combine_in_attention=c.combine_in_attention,
-                          prefetch_kv=c.prefetch_kv, l2_prefetch=c.l2_prefetch)
-    no_graphs = device.type != "cuda" or c.enforce_eager or c.attention_backend == "torch"
-    where = f"device {device.type}, enforce_eager={c.enforce_eager}, attention_backend={c.attention_backend!r}"
-    for name in ("norm_in_gemv", "l2_prefetch"):
-        if getattr(c, name) and c.gemv is None and no_graphs:
-            raise ValueError(f"{name}: needs the GEMV kernel, which is off without CUDA graphs ({where}); pass "
-                             "gemv=True where it can run")
-    if c.kv_write_in_rotary and c.rotary_kernel is None and no_graphs:
-        raise ValueError(f"kv_write_in_rotary: needs the rotary kernel, which is off without CUDA graphs ({where}); "
-                         "pass rotary_kernel=True where it can run")
-    if c.prefetch_kv and c.pdl is None and no_graphs:
-        raise ValueError(f"prefetch_kv: needs PDL, which is off without CUDA graphs ({where}); pass pdl=True where it "
-                         "can run")
 
 
 class EngineFailedError(RuntimeError):
@@ -119,123 +92,44 @@ def eos_token_ids(model, tokenizer) -> frozenset[int]:
 
 
 class Engine:
-    """The asyncio inference engine. Same keyword arguments as `minirt.LLM`.
+    """The asyncio inference engine. `model`: a checkpoint directory or hub id; `settings`: the fields of
+    `minirt.config.EngineConfig` (the same keyword arguments as `minirt.LLM`).
 
     Use it as an async context manager (`async with engine:` starts and stops the loop), then
     `await engine.generate(prompt, params)` or `async for delta in engine.stream(prompt, params)`.
     Raises ValueError (naming the field) for bad settings here and bad requests at submission.
     """
 
-    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, device=None, dtype=None,
-                 block_size: int = 16, num_kv_blocks: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, max_prefill_chunk: int = 1024,
-                 max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 attention_backend: str = "auto", split_kv: bool = True, enforce_eager: bool = False,
-                 fused_ops: bool | None = None, merge_projections: bool | None = None, gemv: bool | None = None,
-                 num_scheduler_steps: int | None = None, norm_in_gemv: bool | None = None,
-                 rotary_kernel: bool | None = None, pdl: bool | None = None,
-                 kv_write_in_rotary: bool | None = None, combine_in_attention: bool = False,
-                 prefetch_kv: bool | None = None, l2_prefetch: bool | None = None):
-        self.config = EngineConfig(block_size, num_kv_blocks, max_num_seqs, max_num_batched_tokens,
-                                   max_prefill_chunk, max_model_len, enable_prefix_caching, attention_backend,
-                                   split_kv, enforce_eager, fused_ops, merge_projections, gemv, num_scheduler_steps,
-                                   norm_in_gemv, rotary_kernel, pdl, kv_write_in_rotary, combine_in_attention,
-                                   prefetch_kv, l2_prefetch)
-        device = resolve_device(device)
-        refuse_before_loading(self.config, device)     # before the checkpoint takes any memory
-        self.model, self.tokenizer = load_model(model, device=device, dtype=dtype)
+    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, **settings):
+        self.config = config = EngineConfig.from_settings(settings)
+        path = resolve_checkpoint(model)
+        model_config = load_config(path)
+        #: What runs of chapter 07's switches, resolved once before anything is loaded (`minirt.fast.plan`).
+        self.plan = resolve_plan(config, resolve_device(config.device), model_config)
+        self.model, self.tokenizer = load_model(path, device=config.device, dtype=config.dtype)
         self.device = self.model.device
-        mc = self.model.config
-        limit = getattr(mc, "max_position_embeddings", None)
-        if max_model_len is None:
-            max_model_len = limit or 2048
-        elif limit is not None and max_model_len > limit:
-            raise ValueError(f"max_model_len: {max_model_len} exceeds the model's max_position_embeddings = {limit}")
-        self.config.max_model_len = max_model_len
-        if num_kv_blocks is None:
-            num_kv_blocks = default_num_kv_blocks(mc, self.model.dtype, self.device, block_size, max_model_len,
-                                                  max_num_seqs)
-            self.config.num_kv_blocks = num_kv_blocks
+        limit = getattr(model_config, "max_position_embeddings", None)
+        if config.max_model_len is None:
+            config.max_model_len = limit or 2048
+        elif limit is not None and config.max_model_len > limit:
+            raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings = {limit}")
+        if config.num_kv_blocks is None:
+            config.num_kv_blocks = default_num_kv_blocks(model_config, self.model.dtype, self.device,
+                                                         config.block_size, config.max_model_len, config.max_num_seqs)
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
-        kernel, store = select_paged_attention(attention_backend, self.device, head_dim_of(mc), split_kv)
-        triton_attention = kernel is not paged_attention_reference
-        use_graphs = not enforce_eager and self.device.type == "cuda" and triton_attention
-        use_gemv = use_graphs if gemv is None else gemv         # None: where graphs hide its launch cost
-        use_pdl = (use_graphs and not pdl_missing(self.device)) if pdl is None else pdl
-        if prefetch_kv is None:
-            prefetch_kv = bool(use_pdl and triton_attention and split_kv)
-        elif prefetch_kv and not (use_pdl and triton_attention):
-            raise ValueError("prefetch_kv: needs pdl and the Triton attention kernel, which resolved to "
-                             f"{bool(use_pdl)} and {triton_attention} (device {self.device.type})")
-        if triton_attention:
-            kernel = functools.partial(kernel, prefetch_kv=prefetch_kv)
-            if use_pdl:
-                kernel, store = functools.partial(kernel, pdl=True), functools.partial(store, pdl=True)
-        if combine_in_attention and not (triton_attention and split_kv):
-            raise ValueError("combine_in_attention: needs the Triton attention kernel with split_kv, which did not "
-                             f"resolve on (device {self.device.type})")
-        if combine_in_attention:
-            from minirt.kernels.paged_attention_triton import split_counters_for
-
-            counters = split_counters_for(max_num_seqs, mc.num_key_value_heads, self.device)
-            kernel = functools.partial(kernel, split_counters=counters)
-        # With CUDA graphs, one more block than the pool hands out: the scratch block padding rows write to.
-        kv_cache = allocate_kv_cache(mc, num_kv_blocks + use_graphs, block_size, self.model.dtype, self.device)
-        on_cuda = self.device.type == "cuda"                 # None: the switch is on where it pays, on CUDA
-        self.model.set_fused_ops(on_cuda if fused_ops is None else fused_ops)
-        merged = bool(merge_projections or (merge_projections is None and on_cuda))
-        if merged:
-            self.model.merge_projections()
-        if use_gemv:
-            from minirt.kernels.gemv_triton import linear_gemv
-
-            self.model.set_gemv(functools.partial(linear_gemv, pdl=True) if use_pdl else linear_gemv)
-        if norm_in_gemv is None:
-            norm_in_gemv = use_gemv and merged
-        elif norm_in_gemv and not (use_gemv and merged):
-            raise ValueError(f"norm_in_gemv: needs gemv and merge_projections, which resolved to {use_gemv} and {merged}")
-        self.model.set_norm_in_gemv(norm_in_gemv)
-        if l2_prefetch is None:
-            l2_prefetch = bool(use_gemv and merged and use_pdl)
-        elif l2_prefetch and not (use_gemv and merged):
-            raise ValueError(f"l2_prefetch: needs gemv and merge_projections, which resolved to {use_gemv} and {merged}")
-        if l2_prefetch:
-            from minirt.kernels.gemv_triton import l2_prefetch_table
-
-            self.model.prefetch_next_weights(l2_prefetch_table)
-        #: Whether each one-row GEMV asks L2 for the next one's weights (`EngineConfig.l2_prefetch`, resolved).
-        self.l2_prefetch = l2_prefetch
-        use_rotary = use_graphs if rotary_kernel is None else rotary_kernel
-        if use_rotary:
-            from minirt.kernels.rotary_triton import norm_and_rotate_triton, norm_rotate_and_store_triton
-
-            refuse_missing_triton(self.device, attention_backend, gemv, head_dim_of(mc), rotary_kernel=True)
-            self.model.set_rotary_kernel(functools.partial(norm_and_rotate_triton, pdl=use_pdl))
-        if kv_write_in_rotary is None:
-            kv_write_in_rotary = use_rotary
-        elif kv_write_in_rotary and not use_rotary:
-            raise ValueError("kv_write_in_rotary: needs the rotary kernel, which resolved off (rotary_kernel=None is "
-                             f"on with CUDA graphs only; device {self.device.type}, enforce_eager={enforce_eager})")
-        if kv_write_in_rotary:
-            self.model.set_rotary_store(functools.partial(norm_rotate_and_store_triton, pdl=use_pdl))
-        #: Whether the Triton kernels launch with programmatic dependent launch (`EngineConfig.pdl`, resolved).
-        self.pdl = bool(use_pdl)
-        graphs = None
-        if use_graphs:
-            graphs = DecodeGraphs(self.model, kv_cache, kernel, max_num_seqs, cdiv(max_model_len, block_size),
-                                  scratch_block=num_kv_blocks, store=store)
-        self.model_runner = ModelRunner(self.model, kv_cache, block_size, kernel, graphs, store)
-        #: Decode steps per schedule when all admitted requests decode (`EngineConfig.num_scheduler_steps`).
-        self.num_scheduler_steps = (8 if use_graphs else 1) if num_scheduler_steps is None else num_scheduler_steps
-        self.pool = BlockPool(num_kv_blocks)
-        self.prefix_cache = PrefixCache(self.pool, block_size, enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.pool, self.prefix_cache)
+        self.model_runner = build_model_runner(self.plan, self.model, config.num_kv_blocks, config.block_size,
+                                               config.max_num_seqs, config.max_model_len)
+        self.pool = BlockPool(config.num_kv_blocks)
+        self.prefix_cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.pool, self.prefix_cache)
+        self.step = build_step(self)        # `step`, or chapter 07's multi-step decode (`minirt.fast.multi_step`)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
         self._wakeup: asyncio.Event | None = None
         self._failure: str | None = None
-        self.num_steps = 0        # forward steps: each decode step of a multi-step burst counts one
+        self.num_steps = 0        # forward steps
         #: Called as `callback(engine, batch)` after each step's bookkeeping, before the loop yields:
         #: the place to record timelines or check invariants (chapters 05-06, the load tests).
         self.step_callbacks: list = []
@@ -254,8 +148,8 @@ class Engine:
         return self.scheduler.running_requests
 
     def stats(self) -> dict:
-        """Pool and queue sizes right now, plus prefix-cache counters (tokens). `num_steps` counts forward
-        steps: an engine step that runs a multi-step burst of k decode steps adds k."""
+        """Pool and queue sizes right now, plus prefix-cache counters (tokens) and `num_steps`, the forward
+        steps run so far."""
         return {
             "num_total_blocks": self.pool.num_blocks,
             "num_free_blocks": self.pool.num_free_blocks,
@@ -343,6 +237,19 @@ class Engine:
                 raise ValueError(f"request_id: {request_id!r} is already in flight (duplicate request id)")
         return text, ids, params
 
+    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+        """Validate and enqueue a request for the next steps; returns it. Raises ValueError for bad input.
+        `submit` is this plus a future and a wake-up of the loop; `minirt.LLM` drives `step` itself."""
+        text, ids, params = self.validate(prompt, params, request_id)
+        if request_id is None:
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:
+                request_id = f"req-{next(self._ids)}"
+        request = Request(request_id, text, ids, params, self.eos_token_ids, self.tokenizer, self.device)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
     def submit(self, prompt, params: SamplingParams | None = None, request_id: str | None = None,
                stream: bool = False) -> Request:
         """Validate and enqueue; returns the Request, whose `future` resolves to its RequestOutput.
@@ -353,17 +260,10 @@ class Engine:
             raise RuntimeError("engine is not running: use `async with engine:` (or `await engine.start()`)")
         if self._failure is not None:
             raise EngineFailedError(f"engine failed ({self._failure}); restart it before submitting")
-        text, ids, params = self.validate(prompt, params, request_id)
-        if request_id is None:
-            request_id = f"req-{next(self._ids)}"
-            while request_id in self.requests:
-                request_id = f"req-{next(self._ids)}"
-        request = Request(request_id, text, ids, params, self.eos_token_ids, self.tokenizer, self.device)
+        request = self.add_request(prompt, params, request_id)
         request.future = asyncio.get_running_loop().create_future()
         if stream:
             request.stream = asyncio.Queue()
-        self.requests[request_id] = request
-        self.scheduler.add(request)
         self._wakeup.set()
         return request
 
@@ -431,43 +331,43 @@ class Engine:
             self._fail_all(e)                # resolve everyone; the loop ends, submissions are refused
 
     def step(self) -> bool:
-        """One engine step: schedule, run the model, postprocess. Returns False if nothing was scheduled.
-
-        When every admitted request is decoding, one step may run several decode steps back to back
-        (`num_scheduler_steps`, chapter 07); their tokens are then taken in order, as if from single steps.
-        """
-        num_steps = self.scheduler.decode_steps_ahead(self.num_scheduler_steps)
+        """One engine step: schedule, run the model, postprocess. Returns False if nothing was scheduled."""
         batch = self.scheduler.schedule()
         if not batch:
             return False
+        self.start_step(batch)
+        requests, tokens = self.model_runner.execute(batch.items)
+        self.postprocess(batch, requests, tokens, time.perf_counter())
+        self.end_step(batch)
+        return True
+
+    def start_step(self, batch) -> None:
         now = time.perf_counter()
         for request, _ in batch.items:
             if request.scheduled_time is None:
                 request.scheduled_time = now
-        if num_steps > 1:
-            sampled_requests, token_steps = self.model_runner.execute_decode_steps(batch.items, num_steps)
-        else:
-            sampled_requests, tokens = self.model_runner.execute(batch.items)
-            token_steps = [tokens]
+
+    def postprocess(self, batch, requests: list[Request], tokens: list[int], now: float) -> None:
+        """Account for the batch's computed tokens, append each sampled token (`requests[i]` got `tokens[i]`),
+        finish the requests that stop, stream the others' new text."""
+        for request, n in batch.items:
+            if not request.is_finished:
+                self.scheduler.update_after_step(request, n)
+        for request, token in zip(requests, tokens):
+            if request.is_finished:
+                continue
+            request.append_token(token, now)
+            if request.finish_reason is not None:
+                self._finish(request, request.finish_reason)
+            elif request.stream is not None:
+                delta = request.stream_delta()
+                if delta is not None:
+                    request.stream.put_nowait(delta)
+
+    def end_step(self, batch, num_steps: int = 1) -> None:
         self.num_steps += num_steps
-        now = time.perf_counter()
-        for tokens in token_steps:
-            for request, n in batch.items:
-                if not request.is_finished:              # a request that stopped part-way drops its later tokens
-                    self.scheduler.update_after_step(request, n)
-            for request, token in zip(sampled_requests, tokens):
-                if request.is_finished:
-                    continue
-                request.append_token(token, now)
-                if request.finish_reason is not None:
-                    self._finish(request, request.finish_reason)
-                elif request.stream is not None:
-                    delta = request.stream_delta()
-                    if delta is not None:
-                        request.stream.put_nowait(delta)
         for callback in self.step_callbacks:
             callback(self, batch)
-        return True
 
     def _finish(self, request: Request, reason: str, error: str | None = None) -> None:
         if request.is_finished:

@@ -1,56 +1,18 @@
 """`LLM`: the synchronous front door - a list of prompts in, a list of outputs out (vLLM's `LLM` class).
 
-It owns one `Engine` and, for each `generate` call, runs the engine's event loop until every
-request is done. Inside Jupyter (where a loop is already running) the loop runs on a helper thread.
+It owns one `Engine` and drives its steps itself, in the calling thread, until every request of a `generate`
+call is done (nano-vllm's `LLMEngine.generate` loop): no event loop and no helper thread, so it runs the same in
+a script and inside a running Jupyter kernel. An interrupt (Ctrl-C, Jupyter's "interrupt kernel") aborts the
+call's requests, frees their blocks and is raised again.
 """
 
 from __future__ import annotations
 
-import asyncio
 import os
-import threading
 
 from minirt.engine import DEFAULT_MODEL, Engine
 from minirt.request import RequestOutput
 from minirt.sampling import SamplingParams
-
-
-def run_sync(coro):
-    """Run a coroutine to completion from synchronous code, even under a running event loop.
-
-    Under a running loop (Jupyter) the coroutine gets its own loop on a helper thread; an interrupt
-    (Ctrl-C, Jupyter's "interrupt kernel") cancels it there, which aborts its requests between two
-    engine steps, and is then re-raised here.
-    """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    loop = asyncio.new_event_loop()
-    task = loop.create_task(coro)
-    outcome: dict = {}
-    done = threading.Event()   # not Thread.join: an interrupted join() can leave the thread marked stopped
-
-    def run():
-        try:
-            outcome["result"] = loop.run_until_complete(task)
-        except BaseException as e:  # noqa: BLE001 - handed to the calling thread
-            outcome["error"] = e
-        finally:
-            loop.close()
-            done.set()
-
-    threading.Thread(target=run, name="minirt-llm", daemon=True).start()
-    try:
-        while not done.wait(0.05):
-            pass
-    except KeyboardInterrupt:
-        loop.call_soon_threadsafe(task.cancel)
-        done.wait()
-        raise
-    if "error" in outcome:
-        raise outcome["error"]
-    return outcome["result"]
 
 
 def normalize_prompts(prompts) -> list:
@@ -65,27 +27,11 @@ def normalize_prompts(prompts) -> list:
 
 
 class LLM:
-    """Offline batch generation over one `Engine` (see `minirt.Engine` and `minirt.config.EngineConfig`
-    for what each setting means). Raises ValueError naming the field for a bad setting."""
+    """Offline batch generation over one `Engine`. `model`: a checkpoint directory or hub id; `settings`: the
+    fields of `minirt.config.EngineConfig`. Raises ValueError naming the field for a bad or unknown setting."""
 
-    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, *, device=None, dtype=None, block_size: int = 16,
-                 num_kv_blocks: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 max_prefill_chunk: int = 1024, max_model_len: int | None = None, enable_prefix_caching: bool = True,
-                 attention_backend: str = "auto", split_kv: bool = True, enforce_eager: bool = False,
-                 fused_ops: bool | None = None, merge_projections: bool | None = None, gemv: bool | None = None,
-                 num_scheduler_steps: int | None = None, norm_in_gemv: bool | None = None,
-                 rotary_kernel: bool | None = None, pdl: bool | None = None,
-                 kv_write_in_rotary: bool | None = None, combine_in_attention: bool = False,
-                 prefetch_kv: bool | None = None, l2_prefetch: bool | None = None):
-        self.engine = Engine(model, device=device, dtype=dtype, block_size=block_size, num_kv_blocks=num_kv_blocks,
-                             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                             max_prefill_chunk=max_prefill_chunk, max_model_len=max_model_len,
-                             enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                             split_kv=split_kv, enforce_eager=enforce_eager, fused_ops=fused_ops,
-                             merge_projections=merge_projections, gemv=gemv, num_scheduler_steps=num_scheduler_steps,
-                             norm_in_gemv=norm_in_gemv, rotary_kernel=rotary_kernel, pdl=pdl,
-                             kv_write_in_rotary=kv_write_in_rotary, combine_in_attention=combine_in_attention,
-                             prefetch_kv=prefetch_kv, l2_prefetch=l2_prefetch)
+    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, **settings):
+        self.engine = Engine(model, **settings)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None
@@ -93,7 +39,9 @@ class LLM:
         """Generate for every prompt; returns one `RequestOutput` per prompt, in prompt order.
 
         sampling_params: one for all prompts, or a list with one per prompt. Every request is validated
-        before any runs, so a bad one raises ValueError (naming the field) and nothing is submitted.
+        before any runs, so a bad one raises ValueError (naming the field) and nothing is submitted. A failed
+        step (device out of memory, say) ends every request of the call with finish_reason "error", as in the
+        asyncio engine. Raises RuntimeError if the engine's asyncio loop is running (use `Engine.generate` there).
         """
         prompts = normalize_prompts(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -105,11 +53,22 @@ class LLM:
                              f"got {type(sampling_params).__name__}")
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(params)} for {len(prompts)} prompts")
+        engine = self.engine
+        if engine._loop_task is not None:
+            raise RuntimeError("LLM.generate: the engine's asyncio loop is running; use `await engine.generate(...)`")
         for prompt, p in zip(prompts, params):
-            self.engine.validate(prompt, p)
-
-        async def run_all():
-            async with self.engine:
-                return await asyncio.gather(*(self.engine.generate(pr, p) for pr, p in zip(prompts, params)))
-
-        return list(run_sync(run_all()))
+            engine.validate(prompt, p)
+        requests = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        try:
+            while not all(r.is_finished for r in requests):
+                if not engine.step():         # validated requests always fit: no progress is a bug, never a wait
+                    raise RuntimeError("the scheduler could not schedule any of the requests it holds")
+        except Exception as e:                # noqa: BLE001 - any failure must resolve every request
+            engine._fail_all(e)
+        except BaseException:                 # KeyboardInterrupt: abort this call's requests, then raise
+            for request in requests:
+                engine.abort(request.request_id, "interrupted")
+            raise
+        finally:
+            engine._failure = None            # the next call starts afresh, as `async with engine` does
+        return [r.output() for r in requests]

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from minirt.attention import PagedAttention, PagedAttentionMetadata, paged_attention_reference, store_kv
+from minirt.attention import PagedAttention, PagedAttentionMetadata
+from minirt.config import cdiv
 from minirt.kv.paged_cache import slot_mapping
 from minirt.model.decoder import DecoderModel
 from minirt.request import Request
@@ -39,23 +40,20 @@ class StepInputs:
     max_query_len: int = 0
 
 
+def pad_block_tables(block_tables: list[list[int]], width: int) -> list[list[int]]:
+    """Each table cut or padded with block 0 to `width` entries (entries past a context are never read)."""
+    return [t[:width] + [0] * (width - len(t[:width])) for t in block_tables]
+
+
 class ModelRunner:
-    """Owns the model and the KV tensor; knows nothing about scheduling.
+    """Owns the model and the KV tensor `[num_layers, 2, num_blocks, block_size, Hkv, D]`; knows nothing about
+    scheduling."""
 
-    `attention_kernel`, `store`: the paged-attention kernel and K/V write (see `minirt.attention.PagedAttention`).
-    `decode_graphs`: a `minirt.cuda_graphs.DecodeGraphs`, used for steps in which every sequence has one new
-    token (chapter 07).
-    """
-
-    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int,
-                 attention_kernel=paged_attention_reference, decode_graphs=None, store=store_kv):
+    def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int):
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = model.device
-        self.attention_kernel = attention_kernel
-        self.store = store
-        self.decode_graphs = decode_graphs
 
     def prepare_lists(self, items: list[tuple[Request, int]]) -> StepInputs:
         """The packed batch of `(request, num_new_tokens)` items as host lists (see `StepInputs`)."""
@@ -74,30 +72,27 @@ class ModelRunner:
                 step.sample_requests.append(request)
         return step
 
-    def to_device(self, step: StepInputs, lookahead: int = 0
-                  ) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
         """`(input_ids [1, N], positions [1, N], metadata)` on the device; block tables padded with 0 to the
-        widest context of the step, plus `lookahead` tokens (the later steps of `execute_decode_steps`)."""
+        widest context of the step."""
         max_ctx = max(step.context_lens)
-        width = -((max_ctx + lookahead) // -self.block_size)
-        block_tables = [t[:width] + [0] * (width - len(t[:width])) for t in step.block_tables]
         as_long = lambda x: torch.tensor(x, dtype=torch.long, device=self.device)  # noqa: E731
         meta = PagedAttentionMetadata(
             slot_mapping=as_long(step.slots), query_start_loc=as_long(step.query_start_loc),
-            context_lens=as_long(step.context_lens), block_tables=as_long(block_tables),
+            context_lens=as_long(step.context_lens),
+            block_tables=as_long(pad_block_tables(step.block_tables, cdiv(max_ctx, self.block_size))),
             max_query_len=step.max_query_len, max_context_len=max_ctx)
         return as_long(step.input_ids)[None], as_long(step.positions)[None], meta
 
-    def _forward_decode_graph(self, step: StepInputs) -> torch.Tensor | None:
-        """Hidden states `[num_sampled, hidden]` of the sampled rows, through a CUDA graph, for a step whose
-        sequences all have one new token (decodes, and 1-token prefill chunks, which are sampled only if they
-        finish their prompt); None if there is no graph for it."""
-        graphs = self.decode_graphs
-        if graphs is None or step.max_query_len != 1 or len(step.input_ids) > graphs.sizes[-1]:
-            return None
-        hidden = graphs.run(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
-        rows = step.sample_rows
-        return hidden if len(rows) == len(step.input_ids) else hidden[rows]
+    def attention(self, meta: PagedAttentionMetadata) -> PagedAttention:
+        """The attention backend of one step: paged attention over this runner's cache."""
+        return PagedAttention(self.kv_cache, meta)
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        """One forward of the packed batch: the hidden states `[num_sampled, hidden_size]` of its sampled rows."""
+        input_ids, positions, meta = self.to_device(step)
+        hidden = self.model(input_ids, positions, attn=self.attention(meta))
+        return hidden[0, step.sample_rows]
 
     def sampling_tensors(self, requests: list[Request]) -> tuple[torch.Tensor, ...] | None:
         """`(temperature, top_k, top_p)` `[num_requests]` on the device for `minirt.sampling.sample`, or None
@@ -113,8 +108,7 @@ class ModelRunner:
     def sample(self, hidden: torch.Tensor, requests: list[Request], tensors: tuple | None = None) -> torch.Tensor:
         """The next token of each row of `hidden` `[num_rows, hidden_size]` (row i belongs to `requests[i]`):
         `[num_rows]` int64 on the device. An all-greedy batch takes the argmax with no host sync; others go
-        through `minirt.sampling.sample`. `tensors`: `sampling_tensors(requests)`, built by the caller when it
-        samples the same requests several times (multi-step decode); None builds them here."""
+        through `minirt.sampling.sample`. `tensors`: `sampling_tensors(requests)` when the caller has them."""
         logits = self.model.compute_logits(hidden)                             # [num_rows, vocab]
         tensors = tensors or self.sampling_tensors(requests)
         if tensors is None:
@@ -125,68 +119,7 @@ class ModelRunner:
     def execute(self, items: list[tuple[Request, int]]) -> tuple[list[Request], list[int]]:
         """Run one step. Returns the requests that got a new token, and those tokens (one host sync)."""
         step = self.prepare_lists(items)
-        requests = step.sample_requests
-        hidden = self._forward_decode_graph(step)
-        if hidden is None:
-            input_ids, positions, meta = self.to_device(step)
-            hidden = self.model(input_ids, positions, attn=PagedAttention(self.kv_cache, meta, self.attention_kernel, self.store))
-            hidden = hidden[0, step.sample_rows]
-        if not requests:
+        hidden = self.forward(step)
+        if not step.sample_requests:
             return [], []
-        return requests, self.sample(hidden, requests).tolist()
-
-    @torch.inference_mode()
-    def execute_decode_steps(self, items: list[tuple[Request, int]], num_steps: int
-                             ) -> tuple[list[Request], list[list[int]]]:
-        """Run `num_steps` decode steps of the same requests back to back, with one host sync at the end
-        (when every request is greedy; `minirt.sampling.sample` syncs inside for the others, as in single steps).
-
-        Multi-step scheduling (vLLM 0.6, "--num-scheduler-steps"): the host's work between two steps
-        (postprocess, schedule, build the inputs, launch) leaves the GPU idle once per step; here each step's
-        sampled tokens become the next step's inputs on the device (`advance_decode_inputs`), so the host only
-        launches, and the GPU runs the steps one after another. `items` are decodes (one new token each) whose
-        block tables already hold `num_steps` new tokens (`Scheduler.decode_steps_ahead`). Returns the requests
-        and their tokens, `[num_steps][num_requests]`; a request that stops part-way (EOS, a stop string) gets
-        tokens past its end, which the engine drops.
-        """
-        step = self.prepare_lists(items)
-        requests = step.sample_requests
-        if step.max_query_len != 1 or len(requests) != len(items):
-            raise ValueError("execute_decode_steps: every item must be a decode (one new token, sampled)")
-        graphs, num_seqs = self.decode_graphs, len(items)
-        if graphs is not None and num_seqs <= graphs.sizes[-1]:
-            hidden = graphs.run(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
-            inputs, meta = graphs.inputs(num_seqs), None
-        else:
-            input_ids, positions, meta = self.to_device(step, lookahead=num_steps - 1)
-            attn = PagedAttention(self.kv_cache, meta, self.attention_kernel, self.store)
-            hidden = self.model(input_ids, positions, attn=attn)[0]
-            inputs = (input_ids[0], positions[0], meta.slot_mapping, meta.context_lens, meta.block_tables)
-        tensors = self.sampling_tensors(requests)                          # once per burst
-        tokens = [self.sample(hidden, requests, tensors)]
-        for _ in range(num_steps - 1):
-            advance_decode_inputs(tokens[-1], *inputs, self.block_size)
-            if meta is None:
-                hidden = graphs.replay(num_seqs)
-            else:
-                meta.max_context_len += 1
-                hidden = self.model(input_ids, positions, attn=attn)[0]
-            tokens.append(self.sample(hidden, requests, tensors))
-        return requests, torch.stack(tokens).tolist()
-
-
-def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
-                          slot_mapping: torch.Tensor, context_lens: torch.Tensor, block_tables: torch.Tensor,
-                          block_size: int) -> None:
-    """Turn one decode step's device inputs into the next step's, in place, with no host work.
-
-    next_ids, input_ids, positions, slot_mapping, context_lens `[num_seqs]` int64; block_tables
-    `[num_seqs, max_blocks]`, which must already hold the blocks of the next positions. The sampled tokens
-    become the inputs, positions and context lengths move on by one, and each slot is looked up in the block
-    table on the device: `block_tables[s, p // block_size] * block_size + p % block_size`.
-    """
-    input_ids.copy_(next_ids)
-    positions.add_(1)
-    context_lens.add_(1)
-    blocks = block_tables.gather(1, (positions // block_size)[:, None])[:, 0]
-    slot_mapping.copy_(blocks * block_size + positions % block_size)
+        return step.sample_requests, self.sample(hidden, step.sample_requests).tolist()

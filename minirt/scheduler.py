@@ -171,30 +171,6 @@ class Scheduler:
             budget -= n
         return batch
 
-    def decode_steps_ahead(self, max_steps: int) -> int:
-        """How many decode steps the next step may run back to back (multi-step scheduling, chapter 07), with
-        the blocks for all of them allocated here; 1 means an ordinary step.
-
-        More than one only when every admitted request is decoding, none waits (a burst delays admission),
-        they fit the token budget, and the free blocks cover every request's new tokens without preemption.
-        The count never exceeds `max_steps` nor the tokens any request may still generate, so only a stop
-        (EOS, a stop string) can end a request part-way through. The price of that rule: one request near its
-        `max_new_tokens` shortens (or, with one token left, cancels) the burst of all the others; vLLM ran all
-        k steps instead and dropped the surplus tokens.
-        """
-        running = self.running_requests
-        if (max_steps < 2 or self.waiting_queue or self.prefilling_requests or not running
-                or len(running) > self.config.max_num_batched_tokens):
-            return 1
-        steps = min(max_steps, *(r.params.max_new_tokens - r.num_output_tokens for r in running))
-        B = self.config.block_size
-        missing = [cdiv(r.num_computed_tokens + steps, B) - len(r.block_table) for r in running]
-        if steps < 2 or sum(m for m in missing if m > 0) > self.pool.num_free_blocks:
-            return 1
-        for request, m in zip(running, missing):
-            request.block_table += [self.pool.allocate() for _ in range(m)]
-        return steps
-
     def update_after_step(self, request: Request, num_new_tokens: int) -> None:
         """Account for computed tokens; a request whose prompt is done moves prefilling -> running."""
         request.num_computed_tokens += num_new_tokens

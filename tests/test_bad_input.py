@@ -130,74 +130,6 @@ def test_bad_engine_settings(tiny_models, field, value):
         minirt.Engine(tiny_models["llama"], **{field: value})
 
 
-@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-def test_triton_backend_refused_without_cuda_names_what_is_missing(tiny_models, monkeypatch):
-    monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
-    with pytest.raises(ValueError, match=r"attention_backend: 'triton' needs a CUDA device \(got cpu\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", attention_backend="triton")
-    with pytest.raises(ValueError, match=r"gemv: the Triton matrix-vector kernel needs a CUDA device \(got cpu\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", gemv=True)
-    with pytest.raises(ValueError, match=r"pdl: programmatic dependent launch needs a CUDA device \(got cpu\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", pdl=True)
-    with pytest.raises(ValueError, match=r"rotary_kernel: the Triton kernel needs a CUDA device \(got cpu\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", rotary_kernel=True)
-    for name in ("kv_write_in_rotary", "combine_in_attention"):
-        with pytest.raises(ValueError, match=rf"^{name}: the Triton kernel it runs in needs a CUDA device \(got cpu\)"):
-            minirt.Engine(tiny_models["llama"], device="cpu", **{name: True})
-    with pytest.raises(ValueError, match=r"^prefetch_kv: loads K/V before the wait of programmatic dependent launch, "
-                                         r"which needs a CUDA device \(got cpu\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", prefetch_kv=True)
-    with pytest.raises(ValueError, match=r"^l2_prefetch: the bulk prefetch into L2 needs a CUDA device \(got cpu\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", l2_prefetch=True)
-
-
-def test_fused_attention_switches_refused_without_what_they_run_in():
-    """The K/V write runs in the rotary kernel, the split combine in the Triton attention kernel with split-KV, and
-    the K/V prefetch before that kernel's PDL wait: asking for one with its host switched off is refused by the
-    config, naming the field and the conflict."""
-    from minirt.config import EngineConfig
-
-    with pytest.raises(ValueError, match=r"^kv_write_in_rotary: .* needs rotary_kernel, got rotary_kernel=False"):
-        EngineConfig(rotary_kernel=False, kv_write_in_rotary=True)
-    with pytest.raises(ValueError, match=r"^combine_in_attention: .* got split_kv=False, attention_backend='auto'"):
-        EngineConfig(split_kv=False, combine_in_attention=True)
-    with pytest.raises(ValueError, match=r"^combine_in_attention: .* got split_kv=True, attention_backend='torch'"):
-        EngineConfig(attention_backend="torch", combine_in_attention=True)
-    with pytest.raises(ValueError, match=r"^prefetch_kv: .* needs pdl, split_kv and that kernel, got pdl=False, "
-                                         r"split_kv=True, attention_backend='auto'"):
-        EngineConfig(pdl=False, prefetch_kv=True)
-    with pytest.raises(ValueError, match=r"^prefetch_kv: .* got pdl=None, split_kv=False, attention_backend='auto'"):
-        EngineConfig(split_kv=False, prefetch_kv=True)
-    with pytest.raises(ValueError, match=r"^prefetch_kv: .* got pdl=None, split_kv=True, attention_backend='torch'"):
-        EngineConfig(attention_backend="torch", prefetch_kv=True)
-    EngineConfig(rotary_kernel=False, kv_write_in_rotary=False, split_kv=False, combine_in_attention=False,
-                 pdl=False, prefetch_kv=False)
-
-
-@pytest.mark.parametrize("field", ["norm_in_gemv", "l2_prefetch"])
-def test_gemv_switches_refused_without_their_gemv(tiny_models, monkeypatch, field):
-    """The norm runs in the GEMV's prologue, and the L2 prefetch is asked by the GEMVs of merged projections:
-    asking for either with the GEMV or the merge off is refused, by name, at the config when the conflict is
-    explicit, and after the switches resolve otherwise (the Triton checks stubbed out for l2_prefetch, which they
-    refuse first on a machine without Hopper)."""
-    from minirt.config import EngineConfig
-
-    with pytest.raises(ValueError, match=rf"^{field}: .* needs gemv and merge_projections, got gemv=False"):
-        EngineConfig(gemv=False, **{field: True})
-    with pytest.raises(ValueError, match=rf"^{field}: .* got gemv=None, merge_projections=False"):
-        EngineConfig(merge_projections=False, **{field: True})
-    monkeypatch.setattr(minirt.engine, "refuse_missing_triton", lambda *a, **k: None)
-    monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
-    with pytest.raises(ValueError, match=rf"^{field}: needs the GEMV kernel, which is off without CUDA graphs "
-                                         r"\(device cpu, enforce_eager=False, attention_backend='auto'\)"):
-        minirt.Engine(tiny_models["llama"], device="cpu", **{field: True})
-    from minirt.engine import refuse_before_loading
-
-    with pytest.raises(ValueError, match=rf"^{field}: needs the GEMV kernel, .*\(device cuda, enforce_eager=False, "
-                                         r"attention_backend='torch'\)"):
-        refuse_before_loading(EngineConfig(attention_backend="torch", **{field: True}), __import__("torch").device("cuda"))
-
-
 @pytest.mark.parametrize("device,words", [("cuda:99", "device: 'cuda:99'"), ("foo", "device: expected 'cpu'"),
                                           ("meta", "device: expected 'cpu'")])
 def test_bad_device_named(tiny_models, device, words):
@@ -215,46 +147,18 @@ def test_llm_sampling_params_of_the_wrong_type(tiny_models):
         minirt.SamplingParams(seed=2**70)
 
 
-def test_switches_that_resolve_off_without_cuda_graphs_are_refused_before_loading(monkeypatch):
-    """Where CUDA graphs are off (enforce_eager, the torch backend), the rotary kernel and PDL resolve off, so the
-    switches that need them are refused by `refuse_before_loading`, which the engine and the bench call before
-    the checkpoint loads. The Triton checks are stubbed out to reach these on a machine without CUDA."""
-    import torch
-
-    from minirt.config import EngineConfig
-    from minirt.engine import refuse_before_loading
-
-    monkeypatch.setattr(minirt.engine, "refuse_missing_triton", lambda *a, **k: None)
-    cuda = torch.device("cuda")
-    for field in ("kv_write_in_rotary", "prefetch_kv"):
-        with pytest.raises(ValueError, match=rf"^{field}: needs .*, which is off without CUDA graphs \(device cuda, "
-                                             r"enforce_eager=True, attention_backend='auto'\)"):
-            refuse_before_loading(EngineConfig(enforce_eager=True, **{field: True}), cuda)
-    refuse_before_loading(EngineConfig(enforce_eager=True), cuda)          # nothing asked for: nothing refused
-
-
 def test_bench_refuses_before_it_builds_anything(monkeypatch, capsys):
-    """`python -m minirt bench` runs the engine's pre-load refusals before the bandwidth copy or the checkpoint."""
+    """`python -m minirt bench` resolves the engine's plan (and so its refusals) before the bandwidth copy or the
+    checkpoint."""
     from minirt import bench
 
-    def refuse(config, device):
+    def refuse(config, device, model_config):
         raise ValueError(f"prefetch_kv: refused for {device.type}, prefetch_kv={config.prefetch_kv}")
 
-    monkeypatch.setattr(bench, "refuse_before_loading", refuse)
+    monkeypatch.setattr(bench, "resolve_plan", refuse)
     monkeypatch.setattr(bench, "bench", lambda *a, **k: pytest.fail("ran the benchmark before refusing"))
     parser = __import__("argparse").ArgumentParser()
     bench.add_parser(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["bench", "--device", "cpu", "--prefetch-kv", "on", "--enforce-eager"])
     assert bench.run(args) == 2
     assert "error: prefetch_kv: refused for cpu, prefetch_kv=True" in capsys.readouterr().err
-
-
-@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="on the CPU the Triton check refuses first")
-def test_fused_switches_refused_before_loading_where_what_they_need_resolves_off(tiny_models, monkeypatch):
-    monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
-    with pytest.raises(ValueError, match=r"^kv_write_in_rotary: needs the rotary kernel, which is off without CUDA "
-                                         r"graphs \(device cuda, enforce_eager=True, attention_backend='auto'\)"):
-        minirt.Engine(tiny_models["llama"], device="cuda", enforce_eager=True, kv_write_in_rotary=True)
-    with pytest.raises(ValueError, match=r"^prefetch_kv: needs PDL, which is off without CUDA graphs \(device cuda, "
-                                         r"enforce_eager=True, attention_backend='auto'\)"):
-        minirt.Engine(tiny_models["llama"], device="cuda", enforce_eager=True, prefetch_kv=True)

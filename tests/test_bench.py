@@ -101,23 +101,19 @@ def test_optimization_steps_add_one_switch_each():
     """benchmarks/optimizations.py (chapter 07's figures): every step turns on exactly one more switch, all
     are valid engine settings, and the last step is what the engine does on CUDA by default (on a Hopper GPU,
     where PDL can run)."""
-    import inspect
+    import torch
 
     from minirt.config import EngineConfig
-    from minirt.engine import Engine
+    from minirt.fast import Hardware, resolve_plan
 
     steps = _benchmark_module().STEPS
     for (_, before), (label, after) in zip(steps, steps[1:]):
         changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
         assert len(changed) == 1, f"{label}: changes {sorted(changed)}"
-    for _, kwargs in steps:
-        EngineConfig(**kwargs)                                 # valid values (raises otherwise)
-    defaults = {k: p.default for k, p in inspect.signature(Engine).parameters.items() if k in steps[-1][1]}
-    resolved_on_cuda = {**defaults, "attention_backend": "triton", "fused_ops": True, "merge_projections": True,
-                        "gemv": True, "num_scheduler_steps": 8, "norm_in_gemv": True, "rotary_kernel": True,
-                        "pdl": True, "kv_write_in_rotary": True, "combine_in_attention": False, "prefetch_kv": True,
-                        "l2_prefetch": True}
-    assert steps[-1][1] == resolved_on_cuda
+    cuda, hopper = torch.device("cuda"), Hardware("cuda")
+    plans = [resolve_plan(EngineConfig(**kwargs), cuda, hardware=hopper) for _, kwargs in steps]  # none refused
+    assert len(set(plans)) == len(plans)                        # each step changes what runs
+    assert plans[-1] == resolve_plan(EngineConfig(), cuda, hardware=hopper)
 
 
 def test_optimizations_script_needs_cuda():
@@ -210,16 +206,16 @@ def test_engine_switches_from_the_command_line():
                                         (["--gemv", "on"], "gemv: the Triton matrix-vector kernel needs"),
                                         (["--rotary-kernel", "on"], "rotary_kernel: the Triton kernel needs"),
                                         (["--pdl", "on"], "pdl: programmatic dependent launch needs"),
-                                        (["--kv-write-in-rotary", "on"], "kv_write_in_rotary: the Triton kernel it"),
-                                        (["--combine-in-attention", "on"], "combine_in_attention: the Triton kernel it"),
+                                        (["--kv-write-in-rotary", "on"], "kv_write_in_rotary: the K/V write in the rotary kernel needs rotary_kernel"),
+                                        (["--combine-in-attention", "on"], "combine_in_attention: the split combine in the attention kernel needs attention_backend='triton'"),
                                         (["--combine-in-attention", "on", "--no-split-kv"],
-                                         "combine_in_attention: combines split-KV results"),
-                                        (["--prefetch-kv", "on"], "prefetch_kv: loads K/V before the wait"),
+                                         "and split_kv (off: split_kv=False)"),
+                                        (["--prefetch-kv", "on"], "prefetch_kv: loading K/V before the PDL wait needs pdl (off: needs a CUDA device"),
                                         (["--prefetch-kv", "on", "--pdl", "off"],
-                                         "prefetch_kv: loads K/V before the PDL wait"),
+                                         "prefetch_kv: loading K/V before the PDL wait needs pdl (off: pdl=False)"),
                                         (["--l2-prefetch", "on"], "l2_prefetch: the bulk prefetch into L2 needs"),
                                         (["--l2-prefetch", "on", "--gemv", "off"],
-                                         "l2_prefetch: the GEMV kernels of merged projections")])
+                                         "and gemv (off: gemv=False)")])
 def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
     if ("triton" in argv or "on" in argv) and __import__("torch").cuda.is_available():
         pytest.skip("a valid setting on a CUDA machine")

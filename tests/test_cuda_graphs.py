@@ -1,10 +1,11 @@
-"""CUDA graphs for decode (minirt.cuda_graphs): padded static-buffer forwards give transformers' tokens.
+"""CUDA graphs for decode (minirt.fast.cuda_graphs): padded static-buffer forwards give transformers' tokens.
 
 On the CPU the padding logic runs with `capture=False` (the same static buffers, padding rows and scratch
 slot, run eagerly with the torch reference kernel); on CUDA the captured graphs run for real.
 Oracle: transformers greedy (conftest.hf_greedy).
 """
 
+import dataclasses
 import random
 
 import pytest
@@ -12,9 +13,11 @@ import torch
 
 import minirt
 from conftest import hf_greedy, random_prompts
-from minirt.attention import paged_attention_reference
+from minirt.attention import paged_attention_reference, store_kv
 from minirt.config import cdiv
-from minirt.cuda_graphs import DecodeGraphs, capture_sizes
+from minirt.fast import build_step
+from minirt.fast.cuda_graphs import DecodeGraphs, capture_sizes
+from minirt.fast.runner import FastModelRunner
 from minirt.kv.paged_cache import allocate_kv_cache
 
 
@@ -43,15 +46,18 @@ def spy_on(graphs: DecodeGraphs) -> list[int]:
     return sizes
 
 
-def padded_engine(path, **kw) -> "minirt.LLM":
-    """An LLM whose runner sends every one-token-per-sequence step through `DecodeGraphs(capture=False)`."""
+def padded_engine(path, num_scheduler_steps: int = 1, **kw) -> "minirt.LLM":
+    """An LLM whose runner (a `FastModelRunner`, as the plan builds it with CUDA graphs) sends every
+    one-token-per-sequence step through `DecodeGraphs(capture=False)`, with the torch reference kernel."""
     llm = minirt.LLM(model=path, device="cpu", dtype=torch.float32, block_size=4, **kw)
     engine = llm.engine
-    runner, n_blocks = engine.model_runner, engine.pool.num_blocks
+    n_blocks, cfg = engine.pool.num_blocks, engine.config
     kv_cache = allocate_kv_cache(engine.model.config, n_blocks + 1, 4, torch.float32, torch.device("cpu"))
-    runner.kv_cache = kv_cache
-    runner.decode_graphs = DecodeGraphs(engine.model, kv_cache, paged_attention_reference, engine.config.max_num_seqs,
-                                        cdiv(engine.config.max_model_len, 4), scratch_block=n_blocks, capture=False)
+    graphs = DecodeGraphs(engine.model, kv_cache, paged_attention_reference, store_kv, cfg.max_num_seqs,
+                          cdiv(cfg.max_model_len, 4), scratch_block=n_blocks, capture=False)
+    engine.model_runner = FastModelRunner(engine.model, kv_cache, 4, paged_attention_reference, store_kv, graphs)
+    engine.plan = dataclasses.replace(engine.plan, cuda_graphs=True, num_scheduler_steps=num_scheduler_steps)
+    engine.step = build_step(engine)
     return llm
 
 
@@ -71,7 +77,7 @@ def test_one_token_prefill_chunks_through_the_graph_path(tiny_model_path):
 def test_padded_decode_buffers_on_cpu(tiny_model_path):
     """Batches of 1..5 decodes padded to sizes 1, 2, 4, 5 through the static buffers equal transformers
     (with chapter 07's other switches on too: merged projections, fused elementwise ops)."""
-    assert minirt.LLM(model=tiny_model_path, device="cpu").engine.model_runner.decode_graphs is None  # not on CPUs
+    assert not minirt.LLM(model=tiny_model_path, device="cpu").engine.plan.cuda_graphs          # not on CPUs
     llm = padded_engine(tiny_model_path, max_num_seqs=5, merge_projections=True, fused_ops=True)
     engine, n_blocks = llm.engine, llm.engine.pool.num_blocks
     used = spy_on(engine.model_runner.decode_graphs)
@@ -92,7 +98,7 @@ def test_cuda_graphs_equal_transformers(tiny_model_path, fused_ops):
                      num_kv_blocks=2048, fused_ops=fused_ops)
     graphs = llm.engine.model_runner.decode_graphs
     assert graphs is not None and sorted(graphs.graphs) == capture_sizes(24)
-    assert llm.engine.model.lm_head.gemv is not None            # gemv=None: on with graphs
+    assert llm.engine.plan.gemv and llm.engine.model.lm_head.gemv is not None    # gemv=None: on with graphs
     used = spy_on(graphs)
     rng = random.Random(9)
     prompts = random_prompts(11, [rng.randint(1, 40) for _ in range(30)])
@@ -104,7 +110,7 @@ def test_cuda_graphs_equal_transformers(tiny_model_path, fused_ops):
     eager = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=24,
                        num_kv_blocks=2048, enforce_eager=True)
     assert eager.engine.model_runner.decode_graphs is None
-    assert eager.engine.model.lm_head.gemv is None              # and off without them
+    assert not eager.engine.plan.gemv and not hasattr(eager.engine.model.lm_head, "gemv")   # and off without them
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
@@ -119,14 +125,18 @@ def test_batch1_decode_with_norm_in_gemv_equals_transformers(tiny_model_path, pd
 
     llm = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=1,
                      num_kv_blocks=512, pdl=pdl, kv_write_in_rotary=fused, combine_in_attention=bool(fused))
-    assert llm.engine.model.model.layers[0].norm_in_gemv
-    kernel = llm.engine.model_runner.attention_kernel
+    from minirt.fast.layers import NormInGemvLayer
+
+    plan = llm.engine.plan
+    assert plan.norm_in_gemv and isinstance(llm.engine.model.model.layers[0], NormInGemvLayer)
+    kernel = llm.engine.model_runner.kernel
     want_pdl = pdl is None and not pdl_missing(torch.device("cuda"))
-    assert getattr(kernel, "keywords", {}).get("pdl", False) == want_pdl
+    assert plan.pdl == kernel.keywords["pdl"] == want_pdl
     qkv_gemv = llm.engine.model.model.layers[0].self_attn.qkv_proj.gemv
-    assert llm.engine.l2_prefetch == want_pdl == ("l2_prefetch" in getattr(qkv_gemv, "keywords", {}))
-    assert ("split_counters" in getattr(kernel, "keywords", {})) == bool(fused)
-    assert (llm.engine.model.model.layers[0].self_attn.rotary_store is not None) == (fused is not False)
+    assert plan.l2_prefetch == want_pdl == ("l2_prefetch" in getattr(qkv_gemv, "keywords", {}))
+    assert plan.combine_in_attention == ("split_counters" in kernel.keywords) == bool(fused)
+    assert plan.kv_write_in_rotary == (llm.engine.model.model.layers[0].self_attn.rotate_and_store is not None) \
+        == (fused is not False)
     rng = random.Random(5)
     prompts = random_prompts(13, [rng.randint(1, 40) for _ in range(6)])
     ns = [rng.randint(1, 30) for _ in prompts]

@@ -137,8 +137,8 @@ REFERENCES = {
     "ex05.append_token": lambda request, token, now: request.append_token(token, now),
     "ex06.split_budget": "minirt.scheduler:split_budget",
     "ex06.schedule": lambda scheduler: scheduler.schedule(),
-    "ex07.capture_sizes": "minirt.cuda_graphs:capture_sizes",
-    "ex07.combine_splits": "minirt.attention:combine_splits",
+    "ex07.capture_sizes": "minirt.fast.cuda_graphs:capture_sizes",
+    "ex07.combine_splits": "minirt.fast.attention:combine_splits",
 }
 
 

@@ -41,9 +41,7 @@ def spy_on_bursts(llm) -> list[int]:
 def build(path, how, steps, **kw):
     if how == "eager":
         return minirt.LLM(model=path, **KW, num_scheduler_steps=steps, **kw)
-    llm = padded_engine(path, **kw)                  # the CUDA-graph path's static buffers, run eagerly
-    llm.engine.num_scheduler_steps = steps
-    return llm
+    return padded_engine(path, num_scheduler_steps=steps, **kw)     # the CUDA-graph path's static buffers, eagerly
 
 
 @pytest.mark.parametrize("how", ["eager", "static buffers"])
@@ -128,7 +126,7 @@ def test_bursts_wait_for_admission(tiny_models):
 
 
 def test_default_and_bad_values(tiny_models):
-    assert minirt.LLM(model=tiny_models["llama"], **KW).engine.num_scheduler_steps == 1   # no graphs: off
+    assert minirt.LLM(model=tiny_models["llama"], **KW).engine.plan.num_scheduler_steps == 1   # no graphs: off
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match="num_scheduler_steps"):
             minirt.LLM(model=tiny_models["llama"], **KW, num_scheduler_steps=bad)
@@ -138,7 +136,7 @@ def test_default_and_bad_values(tiny_models):
 def test_multi_step_through_cuda_graphs(tiny_model_path):
     llm = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=16,
                      num_kv_blocks=1024)
-    assert llm.engine.num_scheduler_steps == 8                   # the default with graphs
+    assert llm.engine.plan.num_scheduler_steps == 8                   # the default with graphs
     bursts = spy_on_bursts(llm)
     rng = random.Random(11)
     prompts = random_prompts(26, [rng.randint(1, 30) for _ in range(12)])

@@ -412,7 +412,8 @@ def test_engine_passes_the_resolved_prefetch_kv_to_the_kernel(tiny_models):
                          ({"prefetch_kv": False}, False)):
         llm = minirt.LLM(tiny_models["qwen3"], device="cuda", dtype="float32", num_kv_blocks=64, max_num_seqs=4,
                          **kwargs)
-        assert llm.engine.model_runner.attention_kernel.keywords["prefetch_kv"] is want, kwargs
+        assert llm.engine.plan.prefetch_kv is want, kwargs
+        assert llm.engine.model_runner.kernel.keywords["prefetch_kv"] is want, kwargs
 
 
 @pytest.mark.skipif(not CUDA, reason="the Triton kernel runs on CUDA only")
@@ -430,7 +431,7 @@ def test_engine_selects_triton_on_cuda_and_stays_equal(tiny_models):
                          max_prefill_chunk=5, max_num_batched_tokens=24, attention_backend=backend)
         outs[backend] = [o.token_ids for o in llm.generate(prompts, params)]
         runner = llm.engine.model_runner
-        kernel, store = (getattr(f, "func", f) for f in (runner.attention_kernel, runner.store))   # pdl: partials
+        kernel, store = (getattr(f, "func", f) for f in (runner.kernel, runner.store))   # pdl: partials
         assert (kernel is paged_attention_triton) == (backend == "triton")
         assert store is (store_kv_triton if backend == "triton" else store_kv)
     assert outs["torch"] == outs["triton"]
@@ -439,7 +440,7 @@ def test_engine_selects_triton_on_cuda_and_stays_equal(tiny_models):
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
 def test_combine_splits_equals_attention_over_all_keys(num_splits):
     """Partial softmaxes over contiguous key shares (some shares empty), combined, against SDPA over all keys."""
-    from minirt.attention import combine_splits
+    from minirt.fast.attention import combine_splits
 
     gen = torch.Generator().manual_seed(num_splits)
     T, H, D, N = 3, 4, 16, 10                                  # 10 keys: with 8 splits some shares are empty
@@ -494,15 +495,22 @@ def test_store_kv_writes_each_token_to_its_slot_only(store, device, num_kv_heads
     assert torch.equal(v_cache.view(-1, num_kv_heads, head_dim), want_v)
 
 
-def test_backend_selection_on_the_cpu_is_the_torch_reference():
-    """Without CUDA, "auto" and "torch" give the reference kernel and the torch K/V write; "triton" is refused."""
-    from minirt.kernels import select_paged_attention
+def test_attention_kernels_of_a_plan():
+    """The reference plan attends with the torch reference; a Triton plan with the Triton kernel and the plan's
+    options bound (on the CPU, through the interpreter's module, which imports without a GPU)."""
+    pytest.importorskip("triton")
+    from minirt.fast import Plan
+    from minirt.fast.attention import attention_kernels
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, store_kv_triton
 
     cpu = torch.device("cpu")
-    for backend in ("auto", "torch"):
-        assert select_paged_attention(backend, cpu, 64) == (paged_attention_reference, store_kv)
-    with pytest.raises(ValueError, match="attention_backend: 'triton' needs a CUDA device"):
-        select_paged_attention("triton", cpu, 64)
+    assert attention_kernels(Plan(), cpu, 4, 2) == (paged_attention_reference, store_kv)
+    kernel, store = attention_kernels(Plan(attention_backend="triton", pdl=True, prefetch_kv=True), cpu, 4, 2)
+    assert kernel.func is paged_attention_triton and kernel.keywords == {"pdl": True, "prefetch_kv": True,
+                                                                          "num_splits": 1}
+    assert store.func is store_kv_triton and store.keywords == {"pdl": True}
+    kernel, _ = attention_kernels(Plan(attention_backend="triton", split_kv=True, combine_in_attention=True), cpu, 4, 2)
+    assert "num_splits" not in kernel.keywords and kernel.keywords["split_counters"].shape == (8,)
 
 
 def test_store_kv_triton_refuses_what_it_cannot_write():

@@ -9,6 +9,7 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minirt.config import EngineConfig
+from minirt.fast.multi_step import decode_steps_ahead
 from minirt.kv import BlockPool, PrefixCache, block_hashes
 from minirt.request import Request
 from minirt.sampling import SamplingParams
@@ -192,7 +193,7 @@ def test_random_schedules_keep_the_rules(prompts, budget, cap, seats, block_size
        num_blocks=st.integers(20, 50), max_steps=st.integers(1, 9),
        arrivals=st.lists(st.integers(0, 4), min_size=8, max_size=8))
 def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, num_blocks, max_steps, arrivals):
-    """`Scheduler.decode_steps_ahead` against its rules, under random arrivals and a fake model that takes every
+    """`minirt.fast.multi_step.decode_steps_ahead` against its rules, under random arrivals and a fake model that takes every
     burst's steps one by one: a burst only when all admitted requests decode and none waits, never longer than
     `max_steps` or than the tokens any request has left, and with every new token's slot allocated."""
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=seats,
@@ -213,7 +214,7 @@ def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, nu
                       and len(running) <= budget)
         left = min((r.params.max_new_tokens - r.num_output_tokens for r in running), default=0)
         free_before = pool.num_free_blocks
-        k = scheduler.decode_steps_ahead(max_steps)
+        k = decode_steps_ahead(scheduler, max_steps)
         if k > 1:
             bursts += 1
             assert all_decode and k == min(max_steps, left)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from minirt.model.layers import norm_and_rotate
+from minirt.fast.layers import norm_and_rotate
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

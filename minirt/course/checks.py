@@ -985,7 +985,7 @@ def ex06_schedule(fn: Callable) -> None:
 
 def ex07_capture_sizes(fn: Callable) -> None:
     """Check `capture_sizes(max_num_seqs) -> list[int]`."""
-    from minirt.cuda_graphs import capture_sizes as reference
+    from minirt.fast.cuda_graphs import capture_sizes as reference
 
     cases = [Case(f"max_num_seqs={n}", lambda n=n: (n,), f"max_num_seqs={n}")
              for n in (1, 2, 3, 4, 5, 8, 9, 16, 17, 32, 33, 100, 256, 512)]
@@ -1015,7 +1015,7 @@ def _split_partials(seed: int, lead: tuple[int, ...], num_keys: int, num_splits:
 
 def ex07_combine_splits(fn: Callable) -> None:
     """Check `combine_splits(acc, m, l) -> [..., head_dim]`."""
-    from minirt.attention import combine_splits as reference
+    from minirt.fast.attention import combine_splits as reference
 
     def case(name, lead, num_keys, num_splits, head_dim=8, scale=1.0, seed=0):
         show = (f"leading dims {list(lead)}, {num_keys} keys in {num_splits} splits, head_dim={head_dim}, "

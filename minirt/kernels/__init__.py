@@ -9,8 +9,6 @@ import importlib.util
 
 import torch
 
-from minirt.attention import paged_attention_reference, store_kv
-from minirt.config import ATTENTION_BACKENDS
 
 
 def triton_missing(device: torch.device, head_dim: int | None = None) -> list[str]:
@@ -50,49 +48,3 @@ def num_sms(device: torch.device) -> int:
         return 1
     index = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def refuse_missing_triton(device: torch.device, attention_backend: str, gemv: bool | None,
-                          head_dim: int | None = None, rotary_kernel: bool | None = None,
-                          pdl: bool | None = None, kv_write_in_rotary: bool | None = None,
-                          combine_in_attention: bool | None = None, prefetch_kv: bool | None = None,
-                          l2_prefetch: bool | None = None) -> None:
-    """Raise ValueError naming the field if a Triton switch is asked for explicitly (`attention_backend="triton"`,
-    `gemv=True`, `rotary_kernel=True`, `pdl=True`, `kv_write_in_rotary=True`, `combine_in_attention=True`,
-    `prefetch_kv=True`, `l2_prefetch=True`) and cannot run on `device`. Callable before any model is loaded:
-    head_dim None skips its checks (the rotary kernel also needs a power-of-two head_dim)."""
-    missing = triton_missing(device, head_dim)
-    if missing and attention_backend == "triton":
-        raise ValueError(f"attention_backend: 'triton' needs {' and '.join(missing)}")
-    if missing and rotary_kernel:
-        raise ValueError(f"rotary_kernel: the Triton kernel needs {' and '.join(missing)}")
-    missing = triton_missing(device)
-    for name, asked in (("kv_write_in_rotary", kv_write_in_rotary), ("combine_in_attention", combine_in_attention)):
-        if missing and asked:
-            raise ValueError(f"{name}: the Triton kernel it runs in needs {' and '.join(missing)}")
-    if missing and gemv:
-        raise ValueError(f"gemv: the Triton matrix-vector kernel needs {' and '.join(missing)}")
-    if pdl and (missing := pdl_missing(device)):
-        raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
-    if prefetch_kv and (missing := pdl_missing(device)):
-        raise ValueError(f"prefetch_kv: loads K/V before the wait of programmatic dependent launch, which needs "
-                         f"{' and '.join(missing)}")
-    if l2_prefetch and (missing := pdl_missing(device)):
-        raise ValueError(f"l2_prefetch: the bulk prefetch into L2 needs {' and '.join(missing)}")
-
-
-def select_paged_attention(backend: str, device: torch.device, head_dim: int, split_kv: bool = True):
-    """The paged-attention kernel and K/V write for an engine, as `(attention_kernel, store)`: "torch"
-    (`paged_attention_reference`, `store_kv`), "triton" (`paged_attention_triton`, `store_kv_triton`; needs
-    CUDA, Triton and a power-of-two head_dim >= 16), or "auto" (triton where it can run, else torch).
-    split_kv=False keeps the Triton kernel at one program per (sequence, KV head) (see its `num_splits`).
-    Raises ValueError for an unknown name or a "triton" request that cannot run here."""
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {backend!r}")
-    refuse_missing_triton(device, backend, None, head_dim)
-    if backend == "torch" or triton_missing(device, head_dim):
-        return paged_attention_reference, store_kv
-    from minirt.kernels.paged_attention_triton import paged_attention_triton, store_kv_triton
-
-    kernel = paged_attention_triton if split_kv else functools.partial(paged_attention_triton, num_splits=1)
-    return kernel, store_kv_triton

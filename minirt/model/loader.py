@@ -83,6 +83,13 @@ def resolve_checkpoint(model: str | os.PathLike) -> Path:
             "Pass the path of a local HF-format checkpoint, or download it first where there is network.") from None
 
 
+def load_config(path: str | os.PathLike):
+    """The checkpoint's `config.json` as a `transformers` config (`AutoConfig`), without loading any weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(str(path))
+
+
 def load_weights(model: DecoderModel, path: Path) -> None:
     """Copy every tensor of `path/*.safetensors` into the model's parameters of the same name."""
     from safetensors.torch import load_file
@@ -128,12 +135,10 @@ def load_model(model: str | os.PathLike, device: torch.device | str | None = Non
     Raises FileNotFoundError for a missing checkpoint, ValueError for unsupported architectures or
     mismatched weights.
     """
-    from transformers import AutoConfig
-
     path = resolve_checkpoint(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
-    config = AutoConfig.from_pretrained(str(path))
+    config = load_config(path)
     with torch.device("meta"):
         net = DecoderModel(config)
     net = net.to_empty(device=device).to(dtype)

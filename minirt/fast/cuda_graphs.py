@@ -1,4 +1,4 @@
-"""CUDA graphs for decode steps: the whole forward replayed with one launch (chapter 07).
+"""CUDA graphs for decode steps: the whole forward replayed with one launch.
 
 A decode step of a small model is *launch-bound*: every layer is dozens of small kernels, and the CPU
 takes longer to launch them than the GPU takes to run them. A CUDA graph records the kernel launches of
@@ -24,7 +24,8 @@ import bisect
 
 import torch
 
-from minirt.attention import PagedAttention, PagedAttentionMetadata, store_kv
+from minirt.attention import PagedAttentionMetadata
+from minirt.fast.attention import KernelPagedAttention
 
 
 def capture_sizes(max_num_seqs: int) -> list[int]:
@@ -41,16 +42,16 @@ class DecodeGraphs:
     every sequence has one new token (`num_seqs` entries each; `block_tables` a list of lists) and returns
     the hidden states `[num_seqs, hidden_size]`: a view of the graph's output buffer, which the next `run`
     overwrites. `num_seqs` must be at most `max_num_seqs`; block tables at most `max_blocks_per_seq` long.
-    Multi-step decode (`minirt.model_runner.ModelRunner.execute_decode_steps`) moves the buffers on by one step
+    Multi-step decode (`minirt.fast.runner.FastModelRunner.execute_decode_steps`) moves the buffers on by one step
     on the device (`inputs`) and replays again (`replay`), without the host copy.
 
-    `kernel`, `store`: the paged-attention kernel and K/V write (see `minirt.attention.PagedAttention`).
+    `kernel`, `store`: the paged-attention kernel and K/V write (see `minirt.fast.attention.KernelPagedAttention`).
     `capture=False` runs the same padded static-buffer forward eagerly instead of replaying a graph: the
     padding and buffer logic, testable on a CPU with the torch reference kernel.
     """
 
-    def __init__(self, model, kv_cache: torch.Tensor, kernel, max_num_seqs: int, max_blocks_per_seq: int,
-                 scratch_block: int, capture: bool = True, store=store_kv):
+    def __init__(self, model, kv_cache: torch.Tensor, kernel, store, max_num_seqs: int, max_blocks_per_seq: int,
+                 scratch_block: int, capture: bool = True):
         self.model, self.kv_cache, self.kernel, self.store = model, kv_cache, kernel, store
         self.sizes = capture_sizes(max_num_seqs)
         self.max_blocks_per_seq = max_blocks_per_seq
@@ -87,8 +88,8 @@ class DecodeGraphs:
         meta = PagedAttentionMetadata(
             slot_mapping=v[2, :size], query_start_loc=self.query_start_loc[:size + 1], context_lens=v[3, :size],
             block_tables=self.tables[:size], max_query_len=1, max_context_len=self.max_context_len)
-        hidden = self.model(v[0, :size][None], v[1, :size][None], attn=PagedAttention(self.kv_cache, meta, self.kernel, self.store))
-        return hidden[0]
+        attn = KernelPagedAttention(self.kv_cache, meta, self.kernel, self.store)
+        return self.model(v[0, :size][None], v[1, :size][None], attn=attn)[0]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -130,7 +131,7 @@ class DecodeGraphs:
 
     def replay(self, num_seqs: int) -> torch.Tensor:
         """Run the forward of `num_seqs` rows on the static buffers as they stand (`run` fills them from the
-        host; `minirt.model_runner.advance_decode_inputs` moves them on by one step on the device).
+        host; `minirt.fast.runner.advance_decode_inputs` moves them on by one step on the device).
         Returns the hidden states `[num_seqs, hidden_size]`, a view that the next replay overwrites."""
         size = self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
         if not self.graphs:                                        # capture=False

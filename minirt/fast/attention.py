@@ -1,0 +1,62 @@
+"""Which paged-attention kernel and K/V write run, and the split-KV combine's torch reference (chapter 07)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from minirt.attention import PagedAttention, PagedAttentionMetadata, paged_attention_reference, store_kv
+
+
+class KernelPagedAttention(PagedAttention):
+    """`minirt.attention.PagedAttention` with a chosen attention kernel and K/V write (each with the contract of
+    `paged_attention_reference` and `store_kv`), and `attend` for a caller that has written this step's K/V
+    itself (the rotary kernel's K/V write, `minirt.fast.layers.FastAttention`)."""
+
+    def __init__(self, kv_cache: torch.Tensor, meta: PagedAttentionMetadata, kernel=paged_attention_reference,
+                 store=store_kv):
+        super().__init__(kv_cache, meta)
+        self.kernel, self.store = kernel, store
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = self.kv_cache[layer_idx]
+        self.store(k_cache, v_cache, k[0], v[0], self.meta.slot_mapping)
+        return self.attend(layer_idx, q)
+
+    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
+        """Attention alone over layer `layer_idx`'s cache, whose slots `meta.slot_mapping` already hold this step's
+        K/V. q `[1, num_tokens, H, D]` -> `[1, num_tokens, H, D]`."""
+        k_cache, v_cache = self.kv_cache[layer_idx]
+        return self.kernel(q[0], k_cache, v_cache, self.meta)[None]
+
+
+def attention_kernels(plan, device: torch.device, max_num_seqs: int, num_kv_heads: int):
+    """`(kernel, store)` for a plan (`minirt.fast.plan.Plan`): the torch reference, or the Triton kernels of
+    `minirt.kernels.paged_attention_triton` with the plan's split-KV, PDL, K/V prefetch and in-kernel combine."""
+    if plan.attention_backend == "torch":
+        return paged_attention_reference, store_kv
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for, store_kv_triton
+
+    options = {"pdl": plan.pdl, "prefetch_kv": plan.prefetch_kv}
+    if not plan.split_kv:
+        options["num_splits"] = 1
+    if plan.combine_in_attention:
+        options["split_counters"] = split_counters_for(max_num_seqs, num_kv_heads, device)
+    return functools.partial(paged_attention_triton, **options), functools.partial(store_kv_triton, pdl=plan.pdl)
+
+
+def combine_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """Exact attention output from split-KV partial results (flash-decoding; Dao et al. 2023).
+
+    Split `j` of a query's keys kept its running softmax over its share of the keys: `m[..., j]` the
+    largest score, `l[..., j] = sum exp(score - m_j)`, `acc[..., j, :] = sum exp(score - m_j) * value`.
+    acc `[..., num_splits, head_dim]`, m and l `[..., num_splits]` (float32) -> `[..., head_dim]`:
+
+        out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j,   M = max_j m_j.
+
+    A split with no keys has m = -inf, l = 0, acc = 0 and weight 0. The torch reference of the Triton
+    kernel's `_combine_splits_kernel` (`minirt.kernels.paged_attention_triton`).
+    """
+    weights = torch.exp(m - m.amax(dim=-1, keepdim=True))                 # [..., num_splits]
+    return (weights[..., None] * acc).sum(dim=-2) / (weights * l).sum(dim=-1, keepdim=True)

@@ -1,0 +1,314 @@
+"""Chapter 07's model pieces, swapped into a loaded reference model once (`speed_up_model`).
+
+The reference model (`minirt.model.decoder`) knows none of this. Here its modules are replaced, sharing their
+parameters, by modules that run the same sums with fewer kernels and fewer trips through memory:
+
+* merged projections: one GEMM for q/k/v and one for gate/up (`merge_linears`; vLLM's `QKVParallelLinear`);
+* fused ops: the norms, the q/k norm with the rotation, and SiLU-and-multiply compiled (`fused`);
+* one-row products through a matrix-vector kernel (`GemvLinear`), with SiLU-and-multiply in its epilogue and,
+  at batch 1, each layer's norms in its prologue (`NormInGemvLayer`);
+* the q/k norm and rotation in one kernel, optionally writing the K/V cache too (`FastAttention`);
+* each GEMV asking the L2 cache for the next one's weights (`bind_l2_prefetch`).
+
+Which of them run is the plan's (`minirt.fast.plan`); the functions that run them are a `ModelKernels`, the
+Triton kernels by default (`model_kernels`), torch references in the CPU tests (`gemv_reference`, ...).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from minirt.attention import store_kv
+from minirt.fast.attention import KernelPagedAttention
+from minirt.model.decoder import DecoderAttention, DecoderLayer, DecoderModel
+from minirt.model.layers import GatedMLP, RMSNorm, add_rms_norm, apply_rotary, rms_norm, silu_and_mul
+
+_FUSED: dict = {}
+
+
+def fused(fn):
+    """`fn` compiled by `torch.compile` (TorchInductor), once per process and shared by every layer.
+
+    Eagerly, a chain of elementwise ops such as RMSNorm (`float`, `pow`, `mean`, `rsqrt`, `mul`, `to`, `mul`)
+    is one kernel launch and one trip through memory per op; Inductor generates one kernel for the chain.
+    `dynamic=True`: one compiled version serves every batch size above 1 (torch.compile specializes sizes 0
+    and 1, so a single token gets its own). vLLM compiles its models the same way (`vllm/compilation/`).
+    """
+    if fn not in _FUSED:
+        # Each function meets a few variants (tensor rank, dtype, one token or many): more than the default 8.
+        config = torch._dynamo.config
+        name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"   # torch < 2.7
+        setattr(config, name, max(getattr(config, name), 64))
+        _FUSED[fn] = torch.compile(fn, dynamic=True, fullgraph=True)
+    return _FUSED[fn]
+
+
+# ------------------------------------------------------------------------------------------ contracts, in torch
+def norm_and_rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head RMSNorm of q and k (skipped when the weights are None), then the rotation of both: what
+    `minirt.model.decoder.DecoderAttention` does between the projections and attention, as one function that
+    `fused` compiles into one kernel (vLLM fuses the q/k norm and the rotary embedding the same way).
+
+    q `[B, T, num_heads, head_dim]`, k `[B, T, num_kv_heads, head_dim]`, cos/sin `[B, T, rotary_dim]`.
+    """
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+def norm_rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> torch.Tensor:
+    """`norm_and_rotate`, then the paged K/V write (`minirt.attention.store_kv`) of the rotated k and of v; returns
+    the rotated q. The contract of `ModelKernels.rotate_and_store`, in plain torch.
+
+    q `[1, T, H, D]`, k/v `[1, T, Hkv, D]` (a packed batch), k_cache/v_cache `[num_blocks, block_size, Hkv, D]`,
+    slot_mapping `[T]`. `minirt.kernels.rotary_triton.norm_rotate_and_store_triton` does it in one kernel.
+    """
+    q, k = norm_and_rotate(q, k, cos, sin, q_weight, k_weight, eps)
+    store_kv(k_cache, v_cache, k[0], v[0], slot_mapping)
+    return q
+
+
+def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                   silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
+                   residual: torch.Tensor | None = None):
+    """The contract of `ModelKernels.gemv`, in plain torch: `F.linear(x, weight, bias)`, or with `silu_and_mul`
+    (weight a merged gate/up projection `[2 * I, K]`) `silu(gate) * up` `[..., I]`. With `norm_weight` `[K]` the
+    RMSNorm before the projection comes first, on the stream `s = residual + x` (`x` when residual is None), and
+    the result is `(out, s)`: `NormInGemvLayer`'s prologue. `minirt.kernels.gemv_triton.linear_gemv` does the same
+    for one row in one kernel."""
+    if norm_weight is not None:
+        stream = x if residual is None else residual + x
+        return gemv_reference(rms_norm(stream, norm_weight, eps), weight, bias, silu_and_mul=silu_and_mul), stream
+    y = F.linear(x, weight, bias)
+    if not silu_and_mul:
+        return y
+    gate, up = y.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class ModelKernels:
+    """The functions the fast modules call. gemv: one-row products (`gemv_reference`'s contract) or None (cuBLAS
+    through `F.linear`). rotate: `norm_and_rotate`'s contract. rotate_and_store: `norm_rotate_and_store`'s, or None
+    (the attention backend writes K/V). l2_table: weights -> the `l2_prefetch` argument of `gemv`
+    (`minirt.kernels.gemv_triton.l2_prefetch_table`), used where the plan asks for the L2 prefetch."""
+
+    gemv: Callable | None = None
+    rotate: Callable = norm_and_rotate
+    rotate_and_store: Callable | None = None
+    l2_table: Callable | None = None
+
+
+def model_kernels(plan) -> ModelKernels:
+    """The kernels a plan asks for: the Triton ones (with PDL where the plan has it), else torch's."""
+    gemv = rotate_and_store = l2_table = None
+    rotate = fused(norm_and_rotate) if plan.fused_ops else norm_and_rotate
+    if plan.gemv:
+        from minirt.kernels.gemv_triton import l2_prefetch_table, linear_gemv
+
+        gemv = functools.partial(linear_gemv, pdl=True) if plan.pdl else linear_gemv
+        l2_table = l2_prefetch_table
+    if plan.rotary_kernel:
+        from minirt.kernels.rotary_triton import norm_and_rotate_triton, norm_rotate_and_store_triton
+
+        rotate = functools.partial(norm_and_rotate_triton, pdl=plan.pdl)
+        if plan.kv_write_in_rotary:
+            rotate_and_store = functools.partial(norm_rotate_and_store_triton, pdl=plan.pdl)
+    return ModelKernels(gemv, rotate, rotate_and_store, l2_table)
+
+
+# ------------------------------------------------------------------------------------------ modules
+def merge_linears(*linears: nn.Linear) -> nn.Linear:
+    """One `nn.Linear` whose output is the outputs of `linears` side by side: one GEMM instead of several.
+
+    Every projection of a decode step is a matrix-vector product that reads its weight once; small ones
+    cost a kernel launch and a wave of thread blocks each, whatever their size. vLLM loads q/k/v into one
+    `QKVParallelLinear` and gate/up into one `MergedColumnParallelLinear` for the same reason.
+    """
+    first = linears[0]
+    merged = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
+                       device=first.weight.device, dtype=first.weight.dtype)
+    with torch.no_grad():
+        merged.weight.copy_(torch.cat([m.weight for m in linears]))
+        if first.bias is not None:
+            merged.bias.copy_(torch.cat([m.bias for m in linears]))
+    return merged.requires_grad_(False)
+
+
+def one_row(x: torch.Tensor) -> bool:
+    """True for the input of a batch-1 decode step: one row of features."""
+    return x.shape[:-1].numel() == 1
+
+
+class GemvLinear(nn.Module):
+    """`linear` (same weight and bias tensors) whose one-row inputs go to `gemv`, a function with
+    `gemv_reference`'s contract; other inputs go through `F.linear` (cuBLAS). `[..., in] -> [..., out]`."""
+
+    def __init__(self, linear: nn.Linear, gemv: Callable):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.gemv = gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if one_row(x):
+            return self.gemv(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+def _with_gemv(linear: nn.Linear, kernels: ModelKernels) -> nn.Module:
+    return linear if kernels.gemv is None else GemvLinear(linear, kernels.gemv)
+
+
+class FusedRMSNorm(RMSNorm):
+    """`RMSNorm` (the same weight) run by compiled kernels (`fused`): one pass for the norm and, with a residual,
+    for the addition before it (vLLM's `fused_add_rms_norm`)."""
+
+    def __init__(self, norm: RMSNorm):
+        nn.Module.__init__(self)
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return fused(rms_norm)(x, self.weight, self.eps)
+        return fused(add_rms_norm)(x, residual, self.weight, self.eps)
+
+
+class FastAttention(nn.Module):
+    """`DecoderAttention` (the same weights and sums) with merged q/k/v, the plan's projection kernel, and the q/k
+    norm and rotation by `kernels.rotate`; with `kernels.rotate_and_store` and a paged backend that can attend
+    alone (`KernelPagedAttention`), the rotation also writes K/V and the backend only attends."""
+
+    def __init__(self, attn: DecoderAttention, merge: bool, kernels: ModelKernels):
+        super().__init__()
+        self.layer_idx, self.num_heads, self.num_kv_heads, self.head_dim = (
+            attn.layer_idx, attn.num_heads, attn.num_kv_heads, attn.head_dim)
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        self.qkv_sizes = [p.out_features for p in projections]
+        self.qkv_proj = _with_gemv(merge_linears(*projections), kernels) if merge else None
+        self.q_proj, self.k_proj, self.v_proj = (None,) * 3 if merge else (_with_gemv(p, kernels) for p in projections)
+        self.o_proj = _with_gemv(attn.o_proj, kernels)
+        self.qk_norm = attn.qk_norm
+        if attn.qk_norm:
+            self.q_norm, self.k_norm = attn.q_norm, attn.k_norm
+        self.rotate, self.rotate_and_store = kernels.rotate, kernels.rotate_and_store
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor:
+        if self.qkv_proj is not None:
+            return self.attend(*self.qkv_proj(x).split(self.qkv_sizes, dim=-1), cos, sin, attn)
+        return self.attend(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin, attn)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               attn) -> torch.Tensor:
+        """Everything after the q/k/v projection: q/k norm, rotation, attention, o_proj. q/k/v `[B, T, heads * D]`."""
+        B, T, _ = q.shape
+        q = q.view(B, T, self.num_heads, self.head_dim)
+        k = k.view(B, T, self.num_kv_heads, self.head_dim)
+        v = v.view(B, T, self.num_kv_heads, self.head_dim)
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
+        if self.rotate_and_store is not None and isinstance(attn, KernelPagedAttention):
+            q = self.rotate_and_store(q, k, v, cos, sin, *norm, *attn.kv_cache[self.layer_idx], attn.meta.slot_mapping)
+            out = attn.attend(self.layer_idx, q)
+        else:
+            q, k = self.rotate(q, k, cos, sin, *norm)
+            out = attn(self.layer_idx, q, k, v)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.head_dim))
+
+
+class FastMLP(nn.Module):
+    """`GatedMLP` (the same weights and sums) with merged gate/up, the plan's projection kernel, and
+    SiLU-and-multiply compiled (`fused`) or, for one row through a GEMV, in the GEMV's epilogue."""
+
+    def __init__(self, mlp: GatedMLP, merge: bool, fuse: bool, kernels: ModelKernels):
+        super().__init__()
+        self.gate_up_proj = _with_gemv(merge_linears(mlp.gate_proj, mlp.up_proj), kernels) if merge else None
+        self.gate_proj, self.up_proj = (None, None) if merge else (_with_gemv(mlp.gate_proj, kernels),
+                                                                   _with_gemv(mlp.up_proj, kernels))
+        self.down_proj = _with_gemv(mlp.down_proj, kernels)
+        self.act = fused(silu_and_mul) if fuse else silu_and_mul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        proj = self.gate_up_proj
+        if proj is None:
+            return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
+        if isinstance(proj, GemvLinear) and one_row(x):        # the product in the GEMV's epilogue
+            return self.down_proj(proj.gemv(x, proj.weight, proj.bias, silu_and_mul=True))
+        return self.down_proj(self.act(*proj(x).chunk(2, dim=-1)))
+
+
+class NormInGemvLayer(DecoderLayer):
+    """`DecoderLayer` (the same modules) whose one-token steps run each norm, and the residual addition before it,
+    in the prologue of the GEMV after it: the merged q/k/v projection, and the merged gate/up (with SiLU-and-multiply
+    in its epilogue). Same sums, two kernels fewer per layer. Needs `FastAttention` and `FastMLP` with merged
+    projections through `GemvLinear` (the plan's norm_in_gemv rule)."""
+
+    def __init__(self, layer: DecoderLayer):
+        nn.Module.__init__(self)
+        self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
+        self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
+
+    def forward(self, x, residual, cos, sin, attn):
+        if not one_row(x):
+            return super().forward(x, residual, cos, sin, attn)
+        norm, qkv = self.input_layernorm, self.self_attn.qkv_proj
+        out, residual = qkv.gemv(x, qkv.weight, qkv.bias, norm_weight=norm.weight, eps=norm.eps, residual=residual)
+        x = self.self_attn.attend(*out.split(self.self_attn.qkv_sizes, dim=-1), cos, sin, attn)
+        norm, gate_up = self.post_attention_layernorm, self.mlp.gate_up_proj
+        act, residual = gate_up.gemv(x, gate_up.weight, gate_up.bias, silu_and_mul=True,
+                                     norm_weight=norm.weight, eps=norm.eps, residual=residual)
+        return self.mlp.down_proj(act), residual
+
+
+def bind_l2_prefetch(model: DecoderModel, table: Callable, ahead: int = 1, count: int = 1) -> None:
+    """Have every one-row GEMV of a decode step ask the L2 cache for the weights of the GEMV after it: q/k/v for
+    o_proj, o_proj for gate/up, gate/up for down, down for the next layer's q/k/v (more generally, for the `count`
+    GEMVs from the `ahead`-th one after it on). `table` turns a list of weights into the `l2_prefetch` argument
+    bound into each `GemvLinear.gemv` (`minirt.kernels.gemv_triton.l2_prefetch_table`). The next weights then
+    stream into L2 while the current GEMV runs. Call once, before any CUDA graph is captured.
+    Raises ValueError naming ahead or count (below 1), or l2_prefetch (without merged GEMV projections)."""
+    for name, value in (("ahead", ahead), ("count", count)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    chain = [proj for layer in model.model.layers for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                               layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    if not all(isinstance(proj, GemvLinear) for proj in chain):
+        raise ValueError("l2_prefetch: needs merged projections through the GEMV kernel (merge_projections, gemv)")
+    for i, proj in enumerate(chain):
+        if after := chain[i + ahead:i + ahead + count]:
+            proj.gemv = functools.partial(proj.gemv, l2_prefetch=table([p.weight for p in after]))
+
+
+def speed_up_model(model: DecoderModel, plan, kernels: ModelKernels | None = None) -> DecoderModel:
+    """Swap the plan's fast modules into a loaded reference `model`, in place, once; returns it.
+
+    plan: a `minirt.fast.plan.Plan` (its fused_ops, merge_projections, gemv, norm_in_gemv, rotary_kernel,
+    kv_write_in_rotary, l2_prefetch). kernels: the functions to run (None: `model_kernels(plan)`). The parameter
+    names no longer match the checkpoint's afterwards (merged projections): for serving only.
+    """
+    kernels = model_kernels(plan) if kernels is None else kernels
+    body = model.model
+    for i, layer in enumerate(body.layers):
+        layer.self_attn = FastAttention(layer.self_attn, plan.merge_projections, kernels)
+        layer.mlp = FastMLP(layer.mlp, plan.merge_projections, plan.fused_ops, kernels)
+        if plan.fused_ops:
+            layer.input_layernorm = FusedRMSNorm(layer.input_layernorm)
+            layer.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm)
+        if plan.norm_in_gemv:
+            body.layers[i] = NormInGemvLayer(layer)
+    if plan.fused_ops:
+        body.norm = FusedRMSNorm(body.norm)
+    model.lm_head = _with_gemv(model.lm_head, kernels)
+    if plan.l2_prefetch:
+        bind_l2_prefetch(model, kernels.l2_table)
+    return model

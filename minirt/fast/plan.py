@@ -1,0 +1,178 @@
+"""Every speed switch resolved once, into a frozen `Plan`, by one table of rules.
+
+`resolve_plan(config, device, model_config)` walks `RULES` in order. For each switch it asks what the switch
+needs that this machine or the switches before it do not give (`Rule.needs`): asked for (True) and something
+missing, it raises ValueError naming the switch and what is missing; None turns it on where nothing is missing
+and `Rule.auto` says it pays; False keeps it off. The result says what runs, and it is the only place that says
+so: the engine builds from it, and `bench`, chapter 07 and the JSON reports read it (`engine.plan`).
+
+mini-sglang resolves its "auto" settings the same way, once, into a frozen config (`_adjust_config`); vLLM picks
+each op's implementation once when it is built (`CustomOp`). Adding an optimization is one module in
+`minirt.fast` and one row here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from minirt.config import EngineConfig
+from minirt.kernels import pdl_missing, triton_missing
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What this machine lacks for each family of fast kernels (each entry a phrase; empty: it can run).
+
+    triton: for any Triton kernel (a CUDA device, Triton installed). head_dim: for the Triton attention and rotary
+    kernels, which also need a power-of-two head_dim >= 16. pdl: for programmatic dependent launch and the bulk
+    L2 prefetch (compute capability 9.0 or later, a Triton with `gdc_wait`).
+    """
+
+    device_type: str
+    triton: tuple[str, ...] = ()
+    head_dim: tuple[str, ...] = ()
+    pdl: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, device: torch.device, head_dim: int) -> "Hardware":
+        triton = tuple(triton_missing(device))
+        return cls(device.type, triton, tuple(triton_missing(device, head_dim)[len(triton):]), pdl_missing(device))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What runs: every switch of `EngineConfig`'s chapter-07 section, resolved (see `RULES`).
+
+    attention_backend: "torch" or "triton". cuda_graphs: decode steps replay CUDA graphs (`enforce_eager` off and
+    possible). num_scheduler_steps: decode steps per schedule (1: single steps). The others: on or off.
+    """
+
+    attention_backend: str = "torch"
+    split_kv: bool = False
+    cuda_graphs: bool = False
+    fused_ops: bool = False
+    merge_projections: bool = False
+    gemv: bool = False
+    num_scheduler_steps: int = 1
+    norm_in_gemv: bool = False
+    rotary_kernel: bool = False
+    pdl: bool = False
+    kv_write_in_rotary: bool = False
+    combine_in_attention: bool = False
+    prefetch_kv: bool = False
+    l2_prefetch: bool = False
+
+    @property
+    def is_reference(self) -> bool:
+        """True when nothing of chapter 07 runs: the engine is the chapters 00-06 reference, unchanged."""
+        return self == Plan()
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+class _Resolution:
+    """The switches resolved so far, and why each one that is off is off."""
+
+    def __init__(self, hw: Hardware):
+        self.hw = hw
+        self.on: dict[str, bool | int] = {}
+        self.why_off: dict[str, str] = {}
+
+    def need(self, *names: str) -> list[str]:
+        """The switches among `names` that resolved off, each with the reason."""
+        return [f"{RULE_BY_NAME[n].label or n} (off: {self.why_off[n]})" for n in names if not self.on[n]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One row of the table. name: the `Plan` field. field: the `EngineConfig` field that asks for it (default:
+    name). what: the switch in words, for messages. needs: what it needs and lacks (phrases; empty: it can run).
+    auto: what None resolves to where nothing is missing. when: `auto` in words. label: how a dependent's
+    message names it. asked: the config value as True (asked on), False (asked off) or None (auto)."""
+
+    name: str
+    what: str
+    needs: Callable[[_Resolution], list[str]]
+    auto: Callable[[_Resolution], bool | int]
+    when: str
+    field: str = ""
+    label: str = ""
+    asked: Callable[[object], object] = staticmethod(lambda value: value)
+
+    def config_field(self) -> str:
+        return self.field or self.name
+
+
+def _cuda(r: _Resolution) -> bool:
+    return r.hw.device_type == "cuda"
+
+
+def _graphs(r: _Resolution) -> bool:
+    return bool(r.on["cuda_graphs"])
+
+
+RULES: tuple[Rule, ...] = (
+    Rule("attention_backend", "'triton'", lambda r: [*r.hw.triton, *r.hw.head_dim], lambda r: True,
+         "where the Triton kernel can run", label="attention_backend='triton'",
+         asked=lambda v: {"auto": None, "triton": True, "torch": False}[v]),
+    Rule("split_kv", "split-KV decode", lambda r: r.need("attention_backend"), lambda r: True,
+         "with the Triton attention kernel", asked=lambda v: None if v else False),
+    Rule("cuda_graphs", "CUDA graphs", lambda r: ([] if _cuda(r) else [f"a CUDA device (got {r.hw.device_type})"])
+         + r.need("attention_backend"), lambda r: True, "on CUDA with the Triton attention kernel",
+         field="enforce_eager", label="CUDA graphs", asked=lambda v: False if v else None),
+    Rule("fused_ops", "torch.compile-fused ops", lambda r: [], _cuda, "on CUDA"),
+    Rule("merge_projections", "merged projections", lambda r: [], _cuda, "on CUDA"),
+    Rule("gemv", "the Triton matrix-vector kernel", lambda r: list(r.hw.triton), _graphs, "with CUDA graphs"),
+    Rule("num_scheduler_steps", "multi-step decode", lambda r: [], lambda r: 8 if _graphs(r) else 1,
+         "8 with CUDA graphs, else 1"),
+    Rule("norm_in_gemv", "the GEMV's norm prologue", lambda r: r.need("gemv", "merge_projections"),
+         lambda r: True, "with gemv and merged projections"),
+    Rule("rotary_kernel", "the Triton kernel", lambda r: [*r.hw.triton, *r.hw.head_dim], _graphs,
+         "with CUDA graphs"),
+    Rule("pdl", "programmatic dependent launch", lambda r: list(r.hw.pdl), _graphs,
+         "with CUDA graphs where it can run"),
+    Rule("kv_write_in_rotary", "the K/V write in the rotary kernel", lambda r: r.need("rotary_kernel"),
+         lambda r: True, "with the rotary kernel"),
+    Rule("combine_in_attention", "the split combine in the attention kernel",
+         lambda r: r.need("attention_backend", "split_kv"), lambda r: False, "off (slower where PDL runs)"),
+    Rule("prefetch_kv", "loading K/V before the PDL wait", lambda r: r.need("pdl", "split_kv", "attention_backend"),
+         lambda r: True, "with PDL and split-KV Triton attention"),
+    Rule("l2_prefetch", "the bulk prefetch into L2", lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections")],
+         lambda r: bool(r.on["pdl"]), "with the GEMV kernel, merged projections and PDL"),
+)
+RULE_BY_NAME = {rule.name: rule for rule in RULES}
+
+
+def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
+                 hardware: Hardware | None = None) -> Plan:
+    """The `Plan` for these settings on `device` with this model (an HF config; its head_dim is what the Triton
+    attention and rotary kernels check). `hardware` overrides what `Hardware.of(device, head_dim)` finds (tests).
+    Raises ValueError naming the switch and what it lacks for a switch asked for (True) that cannot run."""
+    if hardware is None:
+        from minirt.model.layers import head_dim_of
+
+        hardware = Hardware.of(device, head_dim_of(model_config) if model_config is not None else 16)
+    r = _Resolution(hardware)
+    for rule in RULES:
+        value = getattr(config, rule.config_field())
+        asked = rule.asked(value)
+        missing = rule.needs(r)
+        if asked is True and missing:
+            raise ValueError(f"{rule.config_field()}: {rule.what} needs {' and '.join(missing)}")
+        if asked is not None:                                   # True, False, or a number of steps
+            r.on[rule.name] = asked
+            r.why_off[rule.name] = f"{rule.config_field()}={value!r}"
+        elif missing:
+            r.on[rule.name] = False
+            r.why_off[rule.name] = f"needs {' and '.join(missing)}"
+        else:
+            r.on[rule.name] = rule.auto(r)
+            r.why_off[rule.name] = f"{rule.config_field()}=None is on only {rule.when}"
+    values = dict(r.on)
+    values["attention_backend"] = "triton" if values["attention_backend"] else "torch"
+    return Plan(**values)

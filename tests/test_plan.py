@@ -1,0 +1,135 @@
+"""The plan (`minirt.fast.plan`): every switch resolved once, refused by name before anything loads.
+
+Oracle: the switches' contract written out again here, independently of `RULES` (what each needs, where None
+turns it on), checked on random settings and machines by hypothesis; and the messages users get on this CPU.
+"""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import minirt
+from minirt.config import EngineConfig
+from minirt.fast import Hardware, Plan, resolve_plan
+
+ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
+          "combine_in_attention", "prefetch_kv", "l2_prefetch")
+#: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
+NEEDS = {"split_kv": ["triton"], "cuda_graphs": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
+         "kv_write_in_rotary": ["rotary_kernel"], "combine_in_attention": ["triton", "split_kv"],
+         "prefetch_kv": ["pdl", "split_kv", "triton"], "l2_prefetch": ["gemv", "merge_projections"]}
+MACHINES = {
+    "cpu": Hardware("cpu", ("a CUDA device (got cpu)",), (), ("a CUDA device (got cpu)",)),
+    "cuda, no triton": Hardware("cuda", ("Triton installed (it is not)",), (), ("Triton installed (it is not)",)),
+    "ampere": Hardware("cuda", (), (), ("compute capability 9.0 or later (got 8.0)",)),
+    "hopper, odd head_dim": Hardware("cuda", (), ("a power-of-two head_dim >= 16 (got 80)",), ()),
+    "hopper": Hardware("cuda", (), (), ()),
+}
+
+
+def can_run(name: str, hw: Hardware) -> bool:
+    """What the machine itself allows each switch (before the switches it needs)."""
+    triton, head_dim, pdl = not hw.triton, not hw.head_dim, not hw.pdl
+    return {"triton": triton and head_dim, "rotary_kernel": triton and head_dim, "gemv": triton,
+            "cuda_graphs": hw.device_type == "cuda", "pdl": pdl, "l2_prefetch": pdl, "prefetch_kv": pdl}.get(name, True)
+
+
+def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
+    """The plan as the contract says, or the name of the first switch that must be refused."""
+    asked = {name: getattr(cfg, name) for name in ON_OFF}
+    asked["triton"] = {"auto": None, "triton": True, "torch": False}[cfg.attention_backend]
+    asked["split_kv"] = None if cfg.split_kv else False
+    asked["cuda_graphs"] = False if cfg.enforce_eager else None
+    on = {}
+    order = ["triton", "split_kv", "cuda_graphs", "fused_ops", "merge_projections", "gemv", "norm_in_gemv",
+             "rotary_kernel", "pdl", "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch"]
+    auto = {"fused_ops": lambda: hw.device_type == "cuda", "merge_projections": lambda: hw.device_type == "cuda",
+            "gemv": lambda: on["cuda_graphs"], "rotary_kernel": lambda: on["cuda_graphs"],
+            "pdl": lambda: on["cuda_graphs"], "combine_in_attention": lambda: False, "l2_prefetch": lambda: on["pdl"]}
+    for name in order:
+        possible = can_run(name, hw) and all(on[n] for n in NEEDS.get(name, []))
+        if asked[name] is True and not possible:
+            return "attention_backend" if name == "triton" else name
+        on[name] = asked[name] if asked[name] is not None else possible and auto.get(name, lambda: True)()
+    on["attention_backend"] = "triton" if on.pop("triton") else "torch"
+    on["num_scheduler_steps"] = cfg.num_scheduler_steps or (8 if on["cuda_graphs"] else 1)
+    return on
+
+
+settings_strategy = st.builds(
+    lambda values, backend, split_kv, eager, steps: EngineConfig(attention_backend=backend, split_kv=split_kv,
+                                                                 enforce_eager=eager, num_scheduler_steps=steps,
+                                                                 **dict(zip(ON_OFF, values))),
+    st.tuples(*[st.sampled_from([None, True, False])] * len(ON_OFF)), st.sampled_from(["auto", "torch", "triton"]),
+    st.booleans(), st.booleans(), st.sampled_from([None, 1, 4]))
+
+
+@settings(max_examples=600, deadline=None)
+@given(cfg=settings_strategy, machine=st.sampled_from(sorted(MACHINES)))
+def test_the_plan_keeps_the_contract_of_every_switch(cfg, machine):
+    """Each switch asked for runs or is refused by its own name; each asked off stays off; each left None is on
+    exactly where it can run, what it needs is on, and it pays (its `auto` rule)."""
+    hw = MACHINES[machine]
+    want = expected(cfg, hw)
+    if isinstance(want, str):
+        with pytest.raises(ValueError, match=rf"^{want}: "):
+            resolve_plan(cfg, torch.device(hw.device_type), hardware=hw)
+        return
+    plan = resolve_plan(cfg, torch.device(hw.device_type), hardware=hw)
+    assert plan.as_dict() == want
+
+
+def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
+    assert resolve_plan(EngineConfig(), torch.device("cpu"), hardware=MACHINES["cpu"]).is_reference
+    plan = resolve_plan(EngineConfig(), torch.device("cuda"), hardware=MACHINES["hopper"])
+    assert plan == Plan(attention_backend="triton", split_kv=True, cuda_graphs=True, fused_ops=True,
+                        merge_projections=True, gemv=True, num_scheduler_steps=8, norm_in_gemv=True,
+                        rotary_kernel=True, pdl=True, kv_write_in_rotary=True, combine_in_attention=False,
+                        prefetch_kv=True, l2_prefetch=True)
+    with pytest.raises(Exception):
+        plan.gemv = False                                       # frozen: what runs is what the plan says
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusals on a machine without CUDA")
+@pytest.mark.parametrize("field,value,words", [
+    ("attention_backend", "triton", r"attention_backend: 'triton' needs a CUDA device \(got cpu\)"),
+    ("gemv", True, r"gemv: the Triton matrix-vector kernel needs a CUDA device \(got cpu\)"),
+    ("pdl", True, r"pdl: programmatic dependent launch needs a CUDA device \(got cpu\)"),
+    ("rotary_kernel", True, r"rotary_kernel: the Triton kernel needs a CUDA device \(got cpu\)"),
+    ("kv_write_in_rotary", True, r"kv_write_in_rotary: the K/V write in the rotary kernel needs rotary_kernel "
+                                 r"\(off: needs a CUDA device \(got cpu\)\)"),
+    ("combine_in_attention", True, r"combine_in_attention: .* needs attention_backend='triton' \(off: needs a CUDA"),
+    ("prefetch_kv", True, r"prefetch_kv: .* needs pdl \(off: needs a CUDA device \(got cpu\)\) and split_kv"),
+    ("l2_prefetch", True, r"l2_prefetch: the bulk prefetch into L2 needs a CUDA device \(got cpu\) and gemv"),
+    ("norm_in_gemv", True, r"norm_in_gemv: the GEMV's norm prologue needs gemv \(off: needs a CUDA device "
+                           r"\(got cpu\)\) and merge_projections \(off: merge_projections=None is on only on CUDA\)"),
+])
+def test_refused_on_this_cpu_by_name_before_the_model_loads(tiny_models, monkeypatch, field, value, words):
+    monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
+    with pytest.raises(ValueError, match="^" + words):
+        minirt.Engine(tiny_models["llama"], device="cpu", **{field: value})
+
+
+def test_a_switch_asked_for_names_the_switch_asked_off_that_it_needs():
+    cfg = EngineConfig(merge_projections=False, norm_in_gemv=True)
+    with pytest.raises(ValueError, match=r"^norm_in_gemv: .* needs merge_projections \(off: merge_projections=False\)"):
+        resolve_plan(cfg, torch.device("cuda"), hardware=MACHINES["hopper"])
+    cfg = EngineConfig(enforce_eager=True, kv_write_in_rotary=True)
+    with pytest.raises(ValueError, match=r"^kv_write_in_rotary: .* needs rotary_kernel \(off: rotary_kernel=None is "
+                                         r"on only with CUDA graphs\)"):
+        resolve_plan(cfg, torch.device("cuda"), hardware=MACHINES["hopper"])
+
+
+def test_an_unknown_setting_is_refused_by_name(tiny_models):
+    with pytest.raises(ValueError, match=r"^blok_size: not an engine setting \(did you mean 'block_size'\?\)"):
+        minirt.LLM(tiny_models["llama"], blok_size=4)
+    with pytest.raises(ValueError, match=r"^turbo: not an engine setting \(the settings are device, dtype, "):
+        minirt.Engine(tiny_models["llama"], turbo=True)
+
+
+def test_the_engine_reports_its_plan(tiny_models):
+    llm = minirt.LLM(tiny_models["llama"], device="cpu", merge_projections=True, num_scheduler_steps=3)
+    assert llm.engine.plan == Plan(merge_projections=True, num_scheduler_steps=3)
+    assert type(llm.engine.model_runner).__name__ == "FastModelRunner"
+    assert type(minirt.LLM(tiny_models["llama"], device="cpu").engine.model_runner).__name__ == "ModelRunner"
