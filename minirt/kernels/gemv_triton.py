@@ -3,8 +3,7 @@
 At batch 1 a decode step is a chain of matrix-vector products: every weight is read once and used for
 one multiply-add per element, so the step's time is the time to stream the weights from memory. cuBLAS's
 GEMM kernels are tuned for larger M: at M = 1 they launch too few blocks, or blocks that keep too few
-bytes in flight, and leave most of the bandwidth unused. On an H200, inside a CUDA graph, bf16: o_proj's
-x[1, 2048] @ W[1024, 2048]^T takes cuBLAS 12.7 us (0.33 TB/s of a 4.8 TB/s memory), this kernel 3.3 us.
+bytes in flight, and leave most of the bandwidth unused.
 
 Here each program owns BLOCK_N output rows. It walks K in BLOCK_K chunks, loading a [BLOCK_N, BLOCK_K]
 tile of W (contiguous along K, so the loads are wide and coalesced) and the matching chunk of x, and
@@ -29,10 +28,9 @@ import triton.language as tl
 
 from minirt.kernels import num_sms
 
-# Defaults read by `choose_config` (powers of two), chosen from a sweep of 6 tilings on an H200 inside CUDA graphs
-# (bf16, the Qwen3-0.6B shapes): 8 x 512 tiles were fastest for the wide matrices (q/k/v, gate/up, the LM head),
-# one whole row per program for the 1024-row ones (o_proj, down_proj), which 8-row tiles would leave with 128
-# programs for 132 SMs.
+# Defaults read by `choose_config` (powers of two; measured in benchmarks/README.md): ROWS x COLS tiles for the wide
+# matrices (q/k/v, gate/up, the LM head), one whole row per program for the 1024-row ones (o_proj, down_proj), so
+# that more programs than SMs run.
 ROWS, COLS = 8, 512     # a program's tile per loop step when there are enough rows: 8 KB of bf16
 MAX_BLOCK_K = 4096      # one-row programs read up to this much of their row per step
 PROGRAMS_PER_SM = 2     # fewer programs leave multiprocessors idle or too few bytes in flight to hide latency

@@ -218,8 +218,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     and its first tile of keys and values from earlier steps before it waits (`griddepcontrol.wait`), and q and
     this step's keys (positions from `context_lens - query_len` on) after, so that those loads overlap the kernel
     before, as the weight loads of `linear_gemv` do. A split's share is then often that one tile. With one program
-    per sequence (large batches, prefill chunks) the kernel waits first: there, on an H200, the peeled first tile
-    made batch-256 decode steps 11 % slower (TPOT 10.2 against 9.2 ms; chapter 07). The caller guarantees that
+    per sequence (large batches, prefill chunks) the kernel waits first: there one tile loaded early hides little
+    of a walk over many tiles, and peeling it out of the loop costs more than that. The caller guarantees that
     what loads before the wait was written before the current run of PDL launches began: by host copies, or by
     an earlier forward pass with a kernel launched without PDL in between, which starts only once everything
     before it has finished (minirt's forward pass starts with torch's embedding gather). Needs
@@ -296,8 +296,8 @@ def _store_kv_kernel(K, V, KCache, VCache, slot_mapping, stride_kt, stride_vt, s
 def store_kv_triton(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     slot_mapping: torch.Tensor, pdl: bool = False) -> None:
     """`minirt.attention.store_kv` as one kernel for keys and values: one program per token copies its
-    `Hkv * D` keys and values into its slot (vLLM's `reshape_and_cache_flash`). Two indexed assignments in
-    torch are two launches, each slower than this one.
+    `Hkv * D` keys and values into its slot (vLLM's `reshape_and_cache_flash`): one launch where torch's two
+    indexed assignments take two.
 
     k_cache/v_cache `[num_blocks, block_size, Hkv, D]` (contiguous, same shape); k/v `[num_tokens, Hkv, D]`
     (same shape), each token's `Hkv * D` values contiguous (rows may be strided, as slices of a merged q/k/v
