@@ -214,7 +214,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     each may start while the kernel before it finishes, which hides the launch. The combine kernel waits for
     attention before its first load; so does the attention kernel with prefetch_kv=False.
     prefetch_kv (acts with num_splits > 1, i.e. small decode batches; it pays only with pdl, and the engine passes
-    `EngineConfig.prefetch_kv` as resolved): the attention kernel loads the metadata
+    the plan's `prefetch_kv`, `minirt.fast.attention.attention_kernels`): the attention kernel loads the metadata
     and its first tile of keys and values from earlier steps before it waits (`griddepcontrol.wait`), and q and
     this step's keys (positions from `context_lens - query_len` on) after, so that those loads overlap the kernel
     before, as the weight loads of `linear_gemv` do. A split's share is then often that one tile. With one program
