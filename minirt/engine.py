@@ -106,14 +106,14 @@ class Engine:
         model_config = load_config(path)
         #: What runs of chapter 07's switches, resolved once before anything is loaded (`minirt.fast.plan`).
         self.plan = resolve_plan(config, resolve_device(config.device), model_config)
-        self.model, self.tokenizer = load_model(path, device=config.device, dtype=config.dtype)
-        self.device = self.model.device
         limit = getattr(model_config, "max_position_embeddings", None)
         if config.max_model_len is None:
             config.max_model_len = limit or 2048
         elif limit is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings = {limit}")
+        self.model, self.tokenizer = load_model(path, device=config.device, dtype=config.dtype)
+        self.device = self.model.device
         if config.num_kv_blocks is None:
             config.num_kv_blocks = default_num_kv_blocks(model_config, self.model.dtype, self.device,
                                                          config.block_size, config.max_model_len, config.max_num_seqs)

@@ -238,6 +238,30 @@ def test_llm_exposes_engine(tiny_models):
     _assert_all_free(llm.engine)
 
 
+def test_llm_generate_runs_in_the_calling_thread_without_an_event_loop(tiny_models, monkeypatch):
+    """`LLM.generate` drives the engine's steps itself (nano-vllm's loop): no helper thread, no event loop; the
+    tokens are transformers' and every block is free afterwards. While the engine's asyncio loop runs, it refuses."""
+    import threading
+
+    llm = minirt.LLM(model=tiny_models["llama"], **ENGINE_KW)
+    prompts = random_prompts(1061, [3, 8])
+    want = [hf_greedy(tiny_models["llama"], p, 5) for p in prompts]           # the oracle loads with threads
+    monkeypatch.setattr(threading.Thread, "start", lambda self: pytest.fail("LLM.generate started a thread"))
+    monkeypatch.setattr(asyncio, "new_event_loop", lambda: pytest.fail("LLM.generate made an event loop"))
+    monkeypatch.setattr(asyncio, "run", lambda *a, **k: pytest.fail("LLM.generate ran an event loop"))
+    outs = llm.generate(prompts, greedy(5))
+    assert [o.token_ids for o in outs] == want
+    _assert_all_free(llm.engine)
+    monkeypatch.undo()
+
+    async def while_the_loop_runs():
+        async with llm.engine:
+            with pytest.raises(RuntimeError, match="the engine's asyncio loop is running"):
+                llm.generate(prompts, greedy(2))
+
+    asyncio.run(while_the_loop_runs())
+
+
 def test_llm_generate_inside_running_loop_does_not_hang(tiny_models, tmp_path):
     """LLM.generate is synchronous; called where an event loop already runs (as in Jupyter) it must work or
     refuse with RuntimeError, never deadlock. Run in a subprocess so that a hang cannot block the suite."""

@@ -33,7 +33,11 @@ class KernelPagedAttention(PagedAttention):
 
 def attention_kernels(plan, device: torch.device, max_num_seqs: int, num_kv_heads: int):
     """`(kernel, store)` for a plan (`minirt.fast.plan.Plan`): the torch reference, or the Triton kernels of
-    `minirt.kernels.paged_attention_triton` with the plan's split-KV, PDL, K/V prefetch and in-kernel combine."""
+    `minirt.kernels.paged_attention_triton` with the plan's split-KV, PDL, K/V prefetch and in-kernel combine.
+
+    The K/V prefetch reads earlier steps' K/V before its PDL wait. That is safe because every forward pass of
+    `minirt.model.decoder.DecoderModel` starts with torch's embedding gather, launched without PDL, which starts
+    only once every kernel before it has finished: earlier steps' K/V is final by then."""
     if plan.attention_backend == "torch":
         return paged_attention_reference, store_kv
     from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for, store_kv_triton
