@@ -118,7 +118,7 @@ def silu_and_mul_epilogue(k: int = 1024, n: int = 6144) -> dict[str, float]:
     kernel followed by the compiled elementwise kernel (what `fused_ops` runs), against the GEMV kernel with the
     product in its epilogue (`linear_gemv(silu_and_mul=True)`). Microseconds per pair, and the fused result's
     largest error against the float64 reference relative to the largest output."""
-    from minirt.fast.layers import fused
+    from minirt.fast.ops import fused
     from minirt.model.layers import silu_and_mul
 
     act = fused(silu_and_mul)

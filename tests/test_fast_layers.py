@@ -10,8 +10,8 @@ import torch
 import minirt
 from conftest import TRITON_DEVICE, hf_logits, random_prompts
 from minirt.fast import Plan
-from minirt.fast.layers import (FastAttention, GemvLinear, ModelKernels, NormInGemvLayer, bind_l2_prefetch,
-                                gemv_reference, norm_rotate_and_store, speed_up_model)
+from minirt.fast.layers import FastAttention, GemvLinear, NormInGemvLayer, bind_l2_prefetch, speed_up_model
+from minirt.fast.ops import ModelKernels, gemv_reference, norm_rotate_and_store
 from test_model import _minirt_logits
 
 GEMV = Plan(gemv=True)

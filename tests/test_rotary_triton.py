@@ -1,5 +1,5 @@
 """`norm_and_rotate_triton` (Qwen3's q/k norm and the rotation of q and k in one Triton kernel) against an
-oracle: `minirt.model.layers.norm_and_rotate` in float64 on the same inputs. Kernel cases need CUDA or Triton's
+oracle: `minirt.fast.ops.norm_and_rotate` in float64 on the same inputs. Kernel cases need CUDA or Triton's
 interpreter (`TRITON_INTERPRET=1`); the argument checks need Triton importable."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from minirt.fast.layers import norm_and_rotate
+from minirt.fast.ops import norm_and_rotate
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -1,6 +1,6 @@
 """Qwen3's q/k RMSNorm and the rotary embedding of q and k in one Triton kernel.
 
-`minirt.fast.layers.norm_and_rotate` is four elementwise passes; compiled with `torch.compile` (`fused_ops`)
+`minirt.fast.ops.norm_and_rotate` is four elementwise passes; compiled with `torch.compile` (`fused_ops`)
 they become two kernels, one for q and one for k, because their head counts differ. Here one launch covers both:
 one program per (token, head), heads 0 .. H-1 of q then 0 .. Hkv-1 of k. A program loads its head (D values)
 and, for the rotation, each channel's partner in the other half (`rotate_half`), normalizes both by the head's
@@ -117,7 +117,7 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl, store=No
 def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
                            pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """`minirt.fast.layers.norm_and_rotate` in one kernel: q `[B, T, H, D]`, k `[B, T, Hkv, D]` (each token's
+    """`minirt.fast.ops.norm_and_rotate` in one kernel: q `[B, T, H, D]`, k `[B, T, Hkv, D]` (each token's
     heads contiguous; tokens may be strided, as slices of a merged q/k/v projection are), cos/sin `[B, T, R]`
     with R <= D even, q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k. D must be a power
     of two. Computes in float32, rounding to q's dtype after each op as the eager reference does (equal results
@@ -135,7 +135,7 @@ def norm_rotate_and_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                                  sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                                  eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                  slot_mapping: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
-    """`minirt.fast.layers.norm_rotate_and_store` in one kernel: `norm_and_rotate_triton` whose programs for k
+    """`minirt.fast.ops.norm_rotate_and_store` in one kernel: `norm_and_rotate_triton` whose programs for k
     write each rotated key straight into its slot of the paged cache, with Hkv more programs copying v into
     v_cache, so the backend's K/V write (`store_kv_triton`) is not launched. vLLM and SGLang fuse the rotary
     embedding with the KV-cache write the same way on their fast decode paths.
