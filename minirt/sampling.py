@@ -3,7 +3,9 @@
 Order of the filters as in `transformers`' logits warpers and vLLM's sampler: divide by the
 temperature, keep the top-k logits, then keep the smallest set of tokens whose probability mass
 reaches top-p (nucleus sampling; Holtzman et al. 2020, "The Curious Case of Neural Text
-Degeneration", section 3.1). The most likely token is always kept. Temperature 0 means greedy.
+Degeneration", section 3.1). The most likely token is always kept. Temperature 0 means greedy, and so does
+any temperature below `SAMPLING_EPS` (vLLM's `_SAMPLING_EPS`, vllm/sampling_params.py): dividing the logits
+by 1e-40 overflows float32 to inf and the softmax to nan, which would fail the whole batch.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+#: Temperatures below this are greedy (SamplingParams stores them as 0). At or above it the float32 sampler
+#: cannot overflow: |logit| / 1e-5 stays finite for any |logit| < 3e33.
+SAMPLING_EPS = 1e-5
 
 
 def _is_int(x) -> bool:
@@ -22,8 +28,9 @@ def _is_int(x) -> bool:
 class SamplingParams:
     """How to pick each next token and when to stop.
 
-    max_new_tokens: generated tokens at most (>= 1). temperature: 0 = greedy, else softmax(logits / T).
-    top_p: nucleus mass in (0, 1]. top_k: keep the k most likely tokens, 0 = all. seed: makes this
+    max_new_tokens: generated tokens at most (>= 1). temperature: 0 = greedy, else softmax(logits / T); a
+    temperature below `SAMPLING_EPS` (1e-5) is greedy and stored as 0.0. top_p: nucleus mass in (0, 1].
+    top_k: keep the k most likely tokens, 0 = all. seed: makes this
     request's samples reproducible whatever else is in the batch. stop: strings that end generation
     (matched on the decoded text and cut from it). stop_token_ids: ids that end generation (kept in
     `token_ids`). ignore_eos: keep going past the tokenizer's EOS.
@@ -45,6 +52,8 @@ class SamplingParams:
         if not isinstance(self.temperature, (int, float)) or isinstance(self.temperature, bool) \
                 or not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature: must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.temperature < SAMPLING_EPS:
+            object.__setattr__(self, "temperature", 0.0)      # greedy: see SAMPLING_EPS
         if not isinstance(self.top_p, (int, float)) or isinstance(self.top_p, bool) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
@@ -89,7 +98,7 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
 
 def probs_after_filters(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """The distribution one row is sampled from: logits `[V]` -> probabilities `[V]` (one-hot if greedy)."""
-    if temperature == 0:
+    if temperature < SAMPLING_EPS:
         return torch.nn.functional.one_hot(logits.argmax(), logits.shape[-1]).to(torch.float32)
     row = (logits.float() / temperature)[None]
     dev = logits.device
@@ -101,12 +110,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
            generators: list[torch.Generator | None]) -> torch.Tensor:
     """Pick one token per row. logits `[B, V]` float32; temperature/top_p `[B]` float32; top_k `[B]` int64.
 
-    Rows with temperature 0 take the argmax. The others are drawn from the filtered softmax; a row
-    with its own generator (a seeded request) draws from it, so its tokens do not depend on the
-    batch around it. Returns `[B]` int64 on the logits' device.
+    Rows with temperature below `SAMPLING_EPS` (0 from SamplingParams) take the argmax. The others are drawn
+    from the filtered softmax; a row with its own generator (a seeded request) draws from it, so its tokens do
+    not depend on the batch around it. Returns `[B]` int64 on the logits' device.
     """
     next_ids = logits.argmax(dim=-1)
-    sampled = temperature > 0
+    sampled = temperature >= SAMPLING_EPS
     if not bool(sampled.any()):
         return next_ids
     rows = sampled.nonzero().flatten()
