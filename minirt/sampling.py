@@ -89,9 +89,10 @@ def filter_logits(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs           # mass of strictly more likely tokens
-    # Rank 0 has mass_before 0 < top_p: always kept. top_p = 1 filters nothing (the float32 cumsum
-    # can reach 1.0 before the tail, so it must not be compared).
-    drop = drop | ((top_p[:, None] < 1) & (mass_before >= top_p[:, None]))
+    # Rank 0 is always kept, even where top_p is 0 in float32 (1e-300 underflows): dropping every token
+    # would make the softmax nan. top_p = 1 filters nothing (the float32 cumsum can reach 1.0 before the
+    # tail, so it must not be compared).
+    drop = drop | ((top_p[:, None] < 1) & (mass_before >= top_p[:, None]) & (ranks[None, :] > 0))
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 

@@ -32,6 +32,8 @@ ACCEPTED = {
     "temperature just below 1e-5": (dict(temperature=0.99e-5), True),
     "temperature 1e-5": (dict(temperature=1e-5, top_k=3), False),
     "temperature 1e300 (inf in float32)": (dict(temperature=1e300), False),
+    "top_p 1e-300 (0 in float32)": (dict(temperature=1.0, top_p=1e-300), True),
+    "top_p 1e-45": (dict(temperature=1.0, top_p=1e-45, seed=5), True),
     "top_k above the vocabulary": (dict(temperature=1.0, top_k=10**6), False),
     "top_k 2**63 - 1": (dict(temperature=1.0, top_k=2**63 - 1, seed=9), False),
     "seed 0": (dict(temperature=1.0, seed=0), False),
@@ -103,7 +105,7 @@ def test_sample_two_rows(name, ordinary):
             assert int(out[0]) == int(logits[step, 0].argmax())
 
 
-@pytest.mark.parametrize("temperature,top_p", [(1e-40, 1.0), (1e-38, 0.5)])
+@pytest.mark.parametrize("temperature,top_p", [(1e-40, 1.0), (1e-38, 0.5), (1.0, 0.0), (0.5, 1e-40)])
 def test_sample_raw_tensors_with_tiny_values(temperature, top_p):
     """`sample` called directly (not through SamplingParams): a tiny temperature row is greedy, a top_p of 0
     keeps the top token, and the seeded row next to it draws what it draws alone."""
@@ -120,7 +122,7 @@ def test_sample_raw_tensors_with_tiny_values(temperature, top_p):
 
 def test_probs_after_filters_tiny_values():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(1)) * 3
-    for temperature, top_p in ((1e-40, 1.0), (1e-30, 1e-300)):
+    for temperature, top_p in ((1e-40, 1.0), (1.0, 1e-300), (1e-30, 1e-300)):
         probs = sampling.probs_after_filters(logits, temperature, 0, top_p)
         assert int(probs.argmax()) == int(logits.argmax()) and float(probs.max()) == pytest.approx(1.0)
 
