@@ -38,6 +38,8 @@ ACCEPTED = {
     "top_k 2**63 - 1": (dict(temperature=1.0, top_k=2**63 - 1, seed=9), False),
     "seed 0": (dict(temperature=1.0, seed=0), False),
     "seed 2**63 - 1": (dict(temperature=1.0, seed=2**63 - 1), False),
+    "numpy scalars": (dict(temperature=np.float32(0.7), top_p=np.float64(0.9), top_k=np.int64(5), seed=np.uint64(7),
+                           max_new_tokens=np.int32(8), stop_token_ids=[np.int64(VOCAB - 1)]), False),
 }
 STOPS = {
     "a very long stop string": dict(stop=("x" * 100_000,)),
@@ -73,6 +75,9 @@ def test_refused_at_construction(field, value):
 def test_tiny_temperature_is_stored_as_greedy():
     assert params_of(dict(temperature=1e-40)).temperature == 0.0 and params_of(dict(temperature=1e-40)).greedy
     assert params_of(dict(temperature=1e-5)).temperature == 1e-5
+    numpy = params_of(ACCEPTED["numpy scalars"][0])
+    assert type(numpy.temperature) is float and type(numpy.top_k) is int and type(numpy.seed) is int
+    assert type(numpy.stop_token_ids[0]) is int
 
 
 # ---------------------------------------------------------------------------------------------------------
