@@ -30,7 +30,10 @@ def _as_float(x) -> float | None:
     """x as a finite Python float if it is a real number (numpy's too, bools not), else None."""
     if not isinstance(x, numbers.Real) or isinstance(x, bool):
         return None
-    x = float(x)
+    try:
+        x = float(x)
+    except OverflowError:                       # an int too large for a float
+        return None
     return x if math.isfinite(x) else None
 
 
@@ -40,8 +43,8 @@ class SamplingParams:
 
     max_new_tokens: generated tokens at most (>= 1). temperature: 0 = greedy, else softmax(logits / T); a
     temperature below `SAMPLING_EPS` (1e-5) is greedy and stored as 0.0. top_p: nucleus mass in (0, 1].
-    top_k: keep the k most likely tokens, 0 = all (k at or above the vocabulary size keeps all too).
-    seed: in [0, 2**63), makes this request's samples reproducible whatever else is in the batch.
+    top_k: keep the k most likely tokens, 0 = all (k at or above the vocabulary size keeps all too), below
+    2**63. seed: in [0, 2**63), makes this request's samples reproducible whatever else is in the batch.
     stop: strings that end generation (matched on the decoded text and cut from it). stop_token_ids: ids that
     end generation (kept in `token_ids`; the engine checks them against the vocabulary). ignore_eos: keep
     going past the tokenizer's EOS. Numbers may be numpy scalars (stored as Python int/float); bools are
@@ -69,8 +72,8 @@ class SamplingParams:
         if top_p is None or not 0 < top_p <= 1:
             raise ValueError(f"top_p: must be in (0, 1], got {self.top_p!r}")
         top_k = _as_int(self.top_k)
-        if top_k is None or top_k < 0:
-            raise ValueError(f"top_k: must be an integer >= 0 (0 = no limit), got {self.top_k!r}")
+        if top_k is None or not 0 <= top_k < 2**63:       # the sampler holds it in an int64
+            raise ValueError(f"top_k: must be an integer >= 0 and < 2**63 (0 = no limit), got {self.top_k!r}")
         seed = None if self.seed is None else _as_int(self.seed)
         if self.seed is not None and (seed is None or not 0 <= seed < 2**63):
             raise ValueError(f"seed: must be an integer in [0, 2**63) or None, got {self.seed!r}")

@@ -52,9 +52,9 @@ STOPS = {
 REFUSED = [
     ("max_new_tokens", True), ("max_new_tokens", math.inf), ("max_new_tokens", np.float64(8.0)),
     ("temperature", True), ("temperature", math.nan), ("temperature", -math.inf), ("temperature", np.float32("nan")),
-    ("temperature", np.bool_(True)),
+    ("temperature", np.bool_(True)), ("temperature", 10**400),
     ("top_p", False), ("top_p", math.nan), ("top_p", math.inf), ("top_p", np.float64("nan")), ("top_p", 0.0),
-    ("top_k", True), ("top_k", math.inf), ("top_k", np.float32(3)),
+    ("top_k", True), ("top_k", 2**63), ("top_k", 10**30), ("top_k", math.inf), ("top_k", np.float32(3)),
     ("seed", True), ("seed", 2**63), ("seed", -1), ("seed", math.nan), ("seed", np.int64(-1)),
     ("stop_token_ids", (True,)), ("stop_token_ids", (1.0,)), ("stop_token_ids", (np.int64(-3),)),
     ("ignore_eos", np.bool_(True)), ("ignore_eos", 1),
