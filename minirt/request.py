@@ -103,6 +103,7 @@ class Request:
         self.num_prefill_tokens = len(prompt_token_ids)   # tokens to prefill once admitted (+ output if preempted)
         self.num_preemptions = 0
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self._stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)   # one set lookup per token
         self.tokenizer = tokenizer
         self.text = ""
         self.detokenizer: IncrementalDetokenizer | None = None   # made at the first token, if text is needed then
@@ -151,7 +152,7 @@ class Request:
         self.last_token_time = now
         self.token_times.append(now)
         p = self.params
-        if token_id in self.eos_token_ids or token_id in p.stop_token_ids:
+        if token_id in self._stop_ids:
             self.finish_reason = "stop"
         if (p.stop or self.stream is not None) and self.tokenizer is not None:
             self._detokenize(token_id)
