@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from minirt.detokenize import IncrementalDetokenizer
 from minirt.sampling import SamplingParams
 
 
@@ -102,8 +103,10 @@ class Request:
         self.num_prefill_tokens = len(prompt_token_ids)   # tokens to prefill once admitted (+ output if preempted)
         self.num_preemptions = 0
         self.eos_token_ids = frozenset() if params.ignore_eos else eos_token_ids
+        self._stop_ids = self.eos_token_ids | frozenset(params.stop_token_ids)   # one set lookup per token
         self.tokenizer = tokenizer
         self.text = ""
+        self.detokenizer: IncrementalDetokenizer | None = None   # made at the first token, if text is needed then
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.generator: torch.Generator | None = None
@@ -113,7 +116,9 @@ class Request:
         self.stream: asyncio.Queue | None = None
         self._streamed_tokens = 0
         self._streamed_chars = 0
-        self._checked_chars = 0             # text already searched for stop strings
+        # Characters at the end that could still be the start of a stop string: not streamed, searched again.
+        self._stop_hold = max((len(s) for s in params.stop), default=1) - 1
+        self._checked_chars = 0             # settled text already searched for stop strings
         self.arrival_time = time.perf_counter()
         self.scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -147,25 +152,28 @@ class Request:
         self.last_token_time = now
         self.token_times.append(now)
         p = self.params
-        if token_id in self.eos_token_ids or token_id in p.stop_token_ids:
+        if token_id in self._stop_ids:
             self.finish_reason = "stop"
-        if p.stop or self.stream is not None:
-            self._detokenize()
-        if p.stop and self.finish_reason is None:
-            self._check_stop_strings()
+        if (p.stop or self.stream is not None) and self.tokenizer is not None:
+            self._detokenize(token_id)
+            if p.stop and self.finish_reason is None:
+                self._check_stop_strings()
         if self.finish_reason is None and self.num_output_tokens >= p.max_new_tokens:
             self.finish_reason = "length"
 
-    def _detokenize(self) -> None:
-        if self.tokenizer is not None:
-            self.text = self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
+    def _detokenize(self, token_id: int) -> None:
+        """Keep `text` equal to the decoded output, a token at a time (`minirt.detokenize`: linear time)."""
+        if self.detokenizer is None:
+            self.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        self.detokenizer.append(token_id)
+        self.text = self.detokenizer.text
 
     def _check_stop_strings(self) -> None:
-        # Only the tail can hold a new match: the text before it was checked last step.
-        longest = max(len(s) for s in self.params.stop)
-        search_from = max(0, self._checked_chars - longest + 1)
+        # Only the end can hold a new match: the settled text before it was searched in earlier steps, and
+        # the unsettled rest (a character still being completed) is searched again until it settles.
+        search_from = max(0, self._checked_chars - self._stop_hold)
         hits = [i for s in self.params.stop if (i := self.text.find(s, search_from)) >= 0]
-        self._checked_chars = len(self.text)
+        self._checked_chars = self.detokenizer.num_settled_chars
         if hits:
             self.text = self.text[:min(hits)]      # a stop string never appears in the output text
             self.finish_reason = "stop"
@@ -177,8 +185,8 @@ class Request:
         self.error = error
         self.status = RequestStatus.FINISHED
         self.finish_time = time.perf_counter()
-        if not self.params.stop:
-            self._detokenize()
+        if self.detokenizer is None and self.tokenizer is not None:     # text not kept token by token: decode once
+            self.text = self.tokenizer.decode(self.output_token_ids, skip_special_tokens=True)
 
     # ------------------------------------------------------------------ results
     def metrics(self) -> RequestMetrics:
@@ -199,20 +207,18 @@ class Request:
             metrics=self.metrics(), num_cached_tokens=self.num_cached_tokens)
 
     def stream_delta(self) -> StreamDelta | None:
-        """The part not yet streamed; text that could still turn out to be a stop string, or an
-        unfinished UTF-8 character, is held back until it is settled."""
-        ids = self.output_token_ids[self._streamed_tokens:]
-        text = self.text
-        if not self.is_finished:
-            hold = max((len(s) for s in self.params.stop), default=1) - 1
-            text = text[:max(self._streamed_chars, len(text) - hold)]
-            if text.endswith("\ufffd"):
-                text = text[:-1]
-        new_text = text[self._streamed_chars:]
+        """The part not yet streamed; text that is not settled yet (an unfinished character,
+        `minirt.detokenize`) or that could still turn out to be part of a stop string is held back."""
+        ids = self.token_ids[self.num_prompt_tokens + self._streamed_tokens:]
+        end = len(self.text)
+        if not self.is_finished and self.detokenizer is not None:
+            # A stop string may start up to `_stop_hold` characters before the settled end and run into the rest.
+            end = max(self._streamed_chars, self.detokenizer.num_settled_chars - self._stop_hold)
+        new_text = self.text[self._streamed_chars:end]
         if not ids and not new_text and not self.is_finished:
             return None
         self._streamed_tokens += len(ids)
-        self._streamed_chars = max(self._streamed_chars, len(text))
+        self._streamed_chars = max(self._streamed_chars, end)
         if self.is_finished:
             return StreamDelta(self.request_id, ids, new_text, True, self.finish_reason, self.output())
         return StreamDelta(self.request_id, ids, new_text)
