@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         model = build_random_qwen3(tmp, device, seed=0)
         llms = {name: new_llm(model, device, **kwargs) for name, kwargs in configs.items()}
         tpot = interleaved_tpot(llms, args.rounds, device)
-    report_tpot(tpot, configs, args.rounds, device, args.out, "-".join(filter(None, ["ab-batch1-cuda",
+    settings = {name: {"asked": kwargs, "plan": llms[name].engine.plan.as_dict()} for name, kwargs in configs.items()}
+    report_tpot(tpot, settings, args.rounds, device, args.out, "-".join(filter(None, ["ab-batch1-cuda",
                                                                                       str(datetime.date.today()),
                                                                                       args.label])))
     return 0

@@ -37,9 +37,8 @@ class RequestMetrics:
             `(t_last - t_first) / (n - 1)`; None when only one token was generated.
     e2e_s: arrival -> finished.
     token_times_s: arrival -> each output token, one entry per token (their gaps are the inter-token
-                   latencies, whose maximum shows a decode stalled behind a long prefill). The tokens of a
-                   multi-step burst (chapter 07, `EngineConfig.num_scheduler_steps`) share the burst's end time:
-                   their gaps are 0 and the gap before them spans the burst.
+                   latencies, whose maximum shows a decode stalled behind a long prefill). Tokens that the
+                   engine postprocesses together share one time.
     None where the request never got that far (for example aborted while waiting).
     """
 
