@@ -1,10 +1,10 @@
-"""Two source trees of minirt, one run: the bench's two workloads with each tree's defaults, in alternating rounds.
+"""Source trees of minirt, one run: the bench's two workloads with each tree's defaults, in alternating rounds.
 
     python benchmarks/ab_commits.py --tree before=.ab/before --tree after=. --note "8a63ee6 against 11a82f3"
 
-Each tree is a folder holding a `minirt/` package (a checkout, or `git archive REV minirt | tar -x -C DIR`). Every
-round runs each tree once, in its own process (so that each imports its own minirt), in the order A B then B A
-(ABBA cancels a slow drift of the machine): the random Qwen3-0.6B-shaped checkpoint of `python -m minirt bench`
+Each tree is a folder holding a `minirt/` package (a checkout, or `git archive REV minirt | tar -x -C DIR`); two or
+more. Every round runs each tree once, in its own process (so that each imports its own minirt), in the order
+A B ... then ... B A (ABBA cancels a slow drift of the machine): the random Qwen3-0.6B-shaped checkpoint of `python -m minirt bench`
 (built once, the same weights for all), minirt's engine with its default settings, a warm-up, then the throughput
 and the batch-1 latency workloads of `minirt.bench.WORKLOADS`. Prints each run, the median of each figure per tree
 and its ratio to the first tree's, and writes `ab-commits-<device>[-quick]-<date>.json` with the note.
@@ -47,7 +47,7 @@ def worker(model: str, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", action="append", required=True, help="NAME=PATH of a folder with minirt/ (twice)")
+    parser.add_argument("--tree", action="append", required=True, help="NAME=PATH of a folder with minirt/ (2 or more)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each running every tree once (default 2)")
     parser.add_argument("--quick", action="store_true", help="the bench's quick workloads")
     parser.add_argument("--note", default="", help="what the trees are (commits), stored in the JSON")
@@ -59,8 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(worker(args.worker[0], args.quick), f)
         return 0
     trees = dict(t.split("=", 1) for t in args.tree if "=" in t)
-    if len(trees) != 2 or len(args.tree) != 2 or args.rounds < 1:
-        print("error: --tree NAME=PATH twice (two names), --rounds >= 1", file=sys.stderr)
+    if len(trees) < 2 or len(trees) != len(args.tree) or args.rounds < 1:
+        print("error: --tree NAME=PATH at least twice (distinct names), --rounds >= 1", file=sys.stderr)
         return 2
     for name, path in trees.items():
         if not os.path.isdir(os.path.join(path, "minirt")):
@@ -91,9 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     medians = {n: {f"{w}.{k}": statistics.median(run[w][k] for run in runs[n]) for w, k in FIGURES} for n in names}
     base = medians[names[0]]
     ratios = {n: {key: value / base[key] for key, value in medians[n].items()} for n in names}
-    print(f"\n{'figure':32s} " + " ".join(f"{n:>12s}" for n in names) + f"  {names[1]} / {names[0]}")
+    print(f"\n{'figure':32s} " + " ".join(f"{n:>12s}" for n in names) + "  " +
+          " ".join(f"{n} / {names[0]}" for n in names[1:]))
     for key in base:
-        print(f"{key:32s} " + " ".join(f"{medians[n][key]:12.5g}" for n in names) + f"  {ratios[names[1]][key]:.3f}")
+        print(f"{key:32s} " + " ".join(f"{medians[n][key]:12.5g}" for n in names) + "  " +
+              " ".join(f"{ratios[n][key]:{len(n) + len(names[0]) + 3}.3f}" for n in names[1:]))
     dev, versions = environment(torch.device("cuda"))
     report = {"note": args.note, "device": dev, "versions": versions,
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "trees": trees, "rounds": args.rounds,
