@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import inspect
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -107,6 +108,18 @@ class EngineConfig:
                 hint = f"did you mean {near[0]!r}?" if near else f"the settings are {', '.join(names)}"
                 raise ValueError(f"{name}: not an engine setting ({hint})")
         return cls(**settings)
+
+
+def takes_settings(init):
+    """Decorate an `__init__(self, model, **settings)` so that its signature lists `EngineConfig`'s fields as
+    keyword-only parameters with their defaults: what `help()`, `inspect.signature` and Jupyter's tooltips show.
+    The settings are still checked by `EngineConfig.from_settings`, the one place they are declared."""
+    signature = inspect.signature(init)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    params += [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+               for f in dataclasses.fields(EngineConfig)]
+    init.__signature__ = signature.replace(parameters=params)
+    return init
 
 
 def cdiv(a: int, b: int) -> int:

@@ -30,7 +30,7 @@ from typing import AsyncIterator
 
 import torch
 
-from minirt.config import EngineConfig
+from minirt.config import EngineConfig, takes_settings
 from minirt.fast import build_model_runner, build_step, resolve_plan
 from minirt.kv.block_pool import BlockPool
 from minirt.kv.paged_cache import kv_bytes_per_token
@@ -100,6 +100,7 @@ class Engine:
     Raises ValueError (naming the field) for bad settings here and bad requests at submission.
     """
 
+    @takes_settings
     def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, **settings):
         self.config = config = EngineConfig.from_settings(settings)
         path = resolve_checkpoint(model)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 
+from minirt.config import takes_settings
 from minirt.engine import DEFAULT_MODEL, Engine
 from minirt.request import RequestOutput
 from minirt.sampling import SamplingParams
@@ -30,6 +31,7 @@ class LLM:
     """Offline batch generation over one `Engine`. `model`: a checkpoint directory or hub id; `settings`: the
     fields of `minirt.config.EngineConfig`. Raises ValueError naming the field for a bad or unknown setting."""
 
+    @takes_settings
     def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, **settings):
         self.engine = Engine(model, **settings)
         self.tokenizer = self.engine.tokenizer

@@ -128,6 +128,18 @@ def test_an_unknown_setting_is_refused_by_name(tiny_models):
         minirt.Engine(tiny_models["llama"], turbo=True)
 
 
+def test_llm_and_engine_show_every_setting_in_their_signature():
+    """`help(minirt.LLM)` and Jupyter's tooltips list the settings with their defaults (EngineConfig's fields)."""
+    import dataclasses
+    import inspect
+
+    want = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    for cls in (minirt.LLM, minirt.Engine):
+        params = inspect.signature(cls).parameters
+        assert {name: p.default for name, p in params.items() if p.kind is p.KEYWORD_ONLY} == want
+        assert list(params)[0] == "model" and params["model"].default == minirt.DEFAULT_MODEL
+
+
 def test_the_engine_reports_its_plan(tiny_models):
     llm = minirt.LLM(tiny_models["llama"], device="cpu", merge_projections=True, num_scheduler_steps=3)
     assert llm.engine.plan == Plan(merge_projections=True, num_scheduler_steps=3)
