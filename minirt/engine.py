@@ -238,9 +238,9 @@ class Engine:
                 raise ValueError(f"request_id: {request_id!r} is already in flight (duplicate request id)")
         return text, ids, params
 
-    def add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
+    def _add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Validate and enqueue a request for the next steps; returns it. Raises ValueError for bad input.
-        `submit` is this plus a future and a wake-up of the loop; `minirt.LLM` drives `step` itself."""
+        What `submit` and `minirt.LLM` (which drives `step` itself) share."""
         text, ids, params = self.validate(prompt, params, request_id)
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
@@ -261,8 +261,9 @@ class Engine:
             raise RuntimeError("engine is not running: use `async with engine:` (or `await engine.start()`)")
         if self._failure is not None:
             raise EngineFailedError(f"engine failed ({self._failure}); restart it before submitting")
-        request = self.add_request(prompt, params, request_id)
-        request.future = asyncio.get_running_loop().create_future()
+        future = asyncio.get_running_loop().create_future()
+        request = self._add_request(prompt, params, request_id)
+        request.future = future
         if stream:
             request.stream = asyncio.Queue()
         self._wakeup.set()
@@ -365,8 +366,8 @@ class Engine:
                 if delta is not None:
                     request.stream.put_nowait(delta)
 
-    def end_step(self, batch, num_steps: int = 1) -> None:
-        self.num_steps += num_steps
+    def end_step(self, batch) -> None:
+        self.num_steps += 1
         for callback in self.step_callbacks:
             callback(self, batch)
 

@@ -3,12 +3,15 @@
 It owns one `Engine` and drives its steps itself, in the calling thread, until every request of a `generate`
 call is done (nano-vllm's `LLMEngine.generate` loop): no event loop and no helper thread, so it runs the same in
 a script and inside a running Jupyter kernel. An interrupt (Ctrl-C, Jupyter's "interrupt kernel") aborts the
-call's requests, frees their blocks and is raised again.
+call's requests, frees their blocks and is raised again, between two steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import threading
 
 from minirt.config import takes_settings
 from minirt.engine import DEFAULT_MODEL, Engine
@@ -60,11 +63,18 @@ class LLM:
             raise RuntimeError("LLM.generate: the engine's asyncio loop is running; use `await engine.generate(...)`")
         for prompt, p in zip(prompts, params):
             engine.validate(prompt, p)
-        requests = [engine.add_request(prompt, p) for prompt, p in zip(prompts, params)]
+        requests = []
         try:
-            while not all(r.is_finished for r in requests):
-                if not engine.step():         # validated requests always fit: no progress is a bug, never a wait
-                    raise RuntimeError("the scheduler could not schedule any of the requests it holds")
+            with interrupts_between_steps() as interrupted:
+                for prompt, p in zip(prompts, params):
+                    requests.append(engine._add_request(prompt, p))
+                while not interrupted():
+                    if all(r.is_finished for r in requests):
+                        break
+                    if not engine.step():     # validated requests always fit: no progress is a bug, never a wait
+                        raise RuntimeError("the scheduler could not schedule any of the requests it holds")
+                else:
+                    raise KeyboardInterrupt
         except Exception as e:                # noqa: BLE001 - any failure must resolve every request
             engine._fail_all(e)
         except BaseException:                 # KeyboardInterrupt: abort this call's requests, then raise
@@ -74,3 +84,26 @@ class LLM:
         finally:
             engine._failure = None            # the next call starts afresh, as `async with engine` does
         return [r.output() for r in requests]
+
+
+@contextlib.contextmanager
+def interrupts_between_steps():
+    """Hold a SIGINT (Ctrl-C, Jupyter's "interrupt kernel") until the engine step under way has finished, then raise
+    KeyboardInterrupt there: an interrupt in the middle of a step could leave a block allocated to nobody. A second
+    SIGINT while the first waits is raised at once. Only in the main thread (where Python delivers signals)."""
+    pending: list[int] = []
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is signal.SIG_IGN:
+        yield lambda: False
+        return
+    previous = signal.default_int_handler if previous is None else previous
+
+    def hold(signum, frame):
+        pending.append(signum)
+        signal.signal(signal.SIGINT, previous)             # a second Ctrl-C acts at once
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield lambda: bool(pending)
+    finally:
+        signal.signal(signal.SIGINT, previous)

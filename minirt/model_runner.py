@@ -105,12 +105,12 @@ class ModelRunner:
                 torch.tensor([p.top_k for p in params], dtype=torch.long, device=dev),
                 torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev))
 
-    def sample(self, hidden: torch.Tensor, requests: list[Request], tensors: tuple | None = None) -> torch.Tensor:
+    def sample(self, hidden: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         """The next token of each row of `hidden` `[num_rows, hidden_size]` (row i belongs to `requests[i]`):
         `[num_rows]` int64 on the device. An all-greedy batch takes the argmax with no host sync; others go
-        through `minirt.sampling.sample`. `tensors`: `sampling_tensors(requests)` when the caller has them."""
+        through `minirt.sampling.sample`."""
         logits = self.model.compute_logits(hidden)                             # [num_rows, vocab]
-        tensors = tensors or self.sampling_tensors(requests)
+        tensors = self.sampling_tensors(requests)
         if tensors is None:
             return logits.argmax(dim=-1)
         return sample(logits, *tensors, [r.generator for r in requests])

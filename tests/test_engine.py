@@ -392,6 +392,50 @@ def test_interrupting_llm_generate_under_a_running_loop_stops_it(tiny_models):
     assert [o.token_ids for o in outs] == [hf_greedy(tiny_models["llama"], p, 3) for p in prompts]
 
 
+def test_an_interrupt_inside_a_step_waits_for_the_step_to_end(tiny_models):
+    """SIGINT in the middle of a step's bookkeeping (here: while the scheduler allocates a block) is held until the
+    step is over, then raised: no block is left allocated to nobody, the bookkeeping is consistent, and the next
+    call works. An interrupt while `generate` enqueues its requests leaves none of them behind."""
+    import os
+    import signal
+
+    llm = minirt.LLM(model=tiny_models["llama"], dtype="float32", block_size=4)
+    engine = llm.engine
+    prompts = random_prompts(1201, [9, 13, 6])
+    allocate, calls = engine.pool.allocate, []
+
+    def allocate_then_interrupt():
+        calls.append(1)
+        if len(calls) == 3:                       # inside Scheduler.try_allocate, between two allocations
+            os.kill(os.getpid(), signal.SIGINT)
+        return allocate()
+
+    engine.pool.allocate = allocate_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(50))
+    engine.pool.allocate = allocate
+    engine.scheduler.check_invariants()
+    _assert_all_free(engine)
+    assert not engine.requests and not engine.scheduler.has_work()
+
+    add, added = engine._add_request, []
+
+    def add_then_interrupt(*args):
+        added.append(add(*args))
+        if len(added) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return added[-1]
+
+    engine._add_request = add_then_interrupt
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, greedy(5))
+    del engine._add_request
+    assert not engine.requests and not engine.scheduler.has_work()
+    _assert_all_free(engine)
+    outs = llm.generate(prompts, greedy(4))
+    assert [o.token_ids for o in outs] == [hf_greedy(tiny_models["llama"], p, 4) for p in prompts]
+
+
 def test_default_pool_of_a_model_without_layers():
     """No layers means no K/V bytes per token: the pool is sized to one request of max_model_len, no division by 0."""
     from types import SimpleNamespace

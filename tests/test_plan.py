@@ -32,6 +32,7 @@ def can_run(name: str, hw: Hardware) -> bool:
     """What the machine itself allows each switch (before the switches it needs)."""
     triton, head_dim, pdl = not hw.triton, not hw.head_dim, not hw.pdl
     return {"triton": triton and head_dim, "rotary_kernel": triton and head_dim, "gemv": triton,
+            "fused_ops": triton or hw.device_type != "cuda",     # Inductor needs Triton for CUDA tensors
             "cuda_graphs": hw.device_type == "cuda", "pdl": pdl, "l2_prefetch": pdl, "prefetch_kv": pdl}.get(name, True)
 
 

@@ -20,6 +20,8 @@ class KernelPagedAttention(PagedAttention):
         self.kernel, self.store = kernel, store
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[0] != 1:
+            raise ValueError(f"q: paged attention takes a packed batch [1, num_tokens, ...], got {tuple(q.shape)}")
         k_cache, v_cache = self.kv_cache[layer_idx]
         self.store(k_cache, v_cache, k[0], v[0], self.meta.slot_mapping)
         return self.attend(layer_idx, q)

@@ -155,6 +155,9 @@ class NormInGemvLayer(DecoderLayer):
 
     def __init__(self, layer: DecoderLayer):
         nn.Module.__init__(self)
+        if not (isinstance(getattr(layer.self_attn, "qkv_proj", None), GemvLinear)
+                and isinstance(getattr(layer.mlp, "gate_up_proj", None), GemvLinear)):
+            raise ValueError("norm_in_gemv: needs merged projections through the GEMV kernel (merge_projections, gemv)")
         self.input_layernorm, self.self_attn = layer.input_layernorm, layer.self_attn
         self.post_attention_layernorm, self.mlp = layer.post_attention_layernorm, layer.mlp
 

@@ -40,7 +40,7 @@ def build_step(engine):
     `plan.num_scheduler_steps` decode steps whenever it can (with the runner's `execute_decode_steps`,
     `minirt.fast.runner.FastModelRunner`) and a single `Engine.step` otherwise."""
     max_steps = engine.plan.num_scheduler_steps
-    single_step = type(engine).step.__get__(engine)
+    single_step = type(engine).step.__get__(engine)     # the class's, even where an engine's step was swapped
     if max_steps == 1:
         return single_step
 
@@ -54,7 +54,8 @@ def build_step(engine):
         now = time.perf_counter()                    # the burst's tokens arrive together
         for tokens in token_steps:
             engine.postprocess(batch, requests, tokens, now)
-        engine.end_step(batch, num_steps)
+        engine.num_steps += num_steps - 1            # end_step counts the first
+        engine.end_step(batch)
         return True
 
     return multi_step

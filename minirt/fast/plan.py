@@ -85,7 +85,16 @@ class _Resolution:
 
     def need(self, *names: str) -> list[str]:
         """The switches among `names` that resolved off, each with the reason."""
-        return [f"{RULE_BY_NAME[n].label or n} (off: {self.why_off[n]})" for n in names if not self.on[n]]
+        return [_Off(RULE_BY_NAME[n].label or n, self.why_off[n]) for n in names if not self.on[n]]
+
+
+class _Off(str):
+    """A switch that is needed and off, as a message names it: "label (off: why)"; `.label` alone."""
+
+    def __new__(cls, label: str, why: str):
+        text = super().__new__(cls, f"{label} (off: {why})")
+        text.label = label
+        return text
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,8 @@ class Rule:
     """One row of the table. name: the `Plan` field. field: the `EngineConfig` field that asks for it (default:
     name). what: the switch in words, for messages. needs: what it needs and lacks (phrases; empty: it can run).
     auto: what None resolves to where nothing is missing. when: `auto` in words. label: how a dependent's
-    message names it. asked: the config value as True (asked on), False (asked off) or None (auto)."""
+    message names it. asked: turns the config value into True (asked on), False (asked off) or None (auto);
+    None: the value is that already (or, for num_scheduler_steps, a number)."""
 
     name: str
     what: str
@@ -102,7 +112,7 @@ class Rule:
     when: str
     field: str = ""
     label: str = ""
-    asked: Callable[[object], object] = staticmethod(lambda value: value)
+    asked: Callable[[object], object] | None = None
 
     def config_field(self) -> str:
         return self.field or self.name
@@ -125,7 +135,8 @@ RULES: tuple[Rule, ...] = (
     Rule("cuda_graphs", "CUDA graphs", lambda r: ([] if _cuda(r) else [f"a CUDA device (got {r.hw.device_type})"])
          + r.need("attention_backend"), lambda r: True, "on CUDA with the Triton attention kernel",
          field="enforce_eager", label="CUDA graphs", asked=lambda v: False if v else None),
-    Rule("fused_ops", "torch.compile-fused ops", lambda r: [], _cuda, "on CUDA"),
+    Rule("fused_ops", "torch.compile-fused ops", lambda r: list(r.hw.triton) if _cuda(r) else [], _cuda,
+         "on CUDA"),                                      # Inductor writes Triton kernels for CUDA tensors
     Rule("merge_projections", "merged projections", lambda r: [], _cuda, "on CUDA"),
     Rule("gemv", "the Triton matrix-vector kernel", lambda r: list(r.hw.triton), _graphs, "with CUDA graphs"),
     Rule("num_scheduler_steps", "multi-step decode", lambda r: [], lambda r: 8 if _graphs(r) else 1,
@@ -160,16 +171,16 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
     r = _Resolution(hardware)
     for rule in RULES:
         value = getattr(config, rule.config_field())
-        asked = rule.asked(value)
+        asked = rule.asked(value) if rule.asked else value
         missing = rule.needs(r)
         if asked is True and missing:
             raise ValueError(f"{rule.config_field()}: {rule.what} needs {' and '.join(missing)}")
         if asked is not None:                                   # True, False, or a number of steps
             r.on[rule.name] = asked
             r.why_off[rule.name] = f"{rule.config_field()}={value!r}"
-        elif missing:
+        elif missing:                                           # a dependency is named, not why it is off
             r.on[rule.name] = False
-            r.why_off[rule.name] = f"needs {' and '.join(missing)}"
+            r.why_off[rule.name] = f"needs {' and '.join(getattr(m, 'label', m) for m in missing)}"
         else:
             r.on[rule.name] = rule.auto(r)
             r.why_off[rule.name] = f"{rule.config_field()}=None is on only {rule.when}"

@@ -13,6 +13,7 @@ from minirt.kv.paged_cache import allocate_kv_cache
 from minirt.model.decoder import DecoderModel
 from minirt.model_runner import ModelRunner, StepInputs, pad_block_tables
 from minirt.request import Request
+from minirt.sampling import sample
 
 
 class FastModelRunner(ModelRunner):
@@ -73,7 +74,13 @@ class FastModelRunner(ModelRunner):
             hidden = self.model(input_ids, positions, attn=attn)[0]
             inputs = (input_ids[0], positions[0], meta.slot_mapping, meta.context_lens, meta.block_tables)
         tensors = self.sampling_tensors(requests)                          # once per burst
-        tokens = [self.sample(hidden, requests, tensors)]
+        generators = [r.generator for r in requests]
+
+        def next_tokens(hidden):                                           # `ModelRunner.sample` with those
+            logits = self.model.compute_logits(hidden)
+            return logits.argmax(dim=-1) if tensors is None else sample(logits, *tensors, generators)
+
+        tokens = [next_tokens(hidden)]
         for _ in range(num_steps - 1):
             advance_decode_inputs(tokens[-1], *inputs, self.block_size)
             if meta is None:
@@ -81,7 +88,7 @@ class FastModelRunner(ModelRunner):
             else:
                 meta.max_context_len += 1
                 hidden = self.model(input_ids, positions, attn=attn)[0]
-            tokens.append(self.sample(hidden, requests, tensors))
+            tokens.append(next_tokens(hidden))
         return requests, torch.stack(tokens).tolist()
 
 
