@@ -368,7 +368,10 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
     scores = {s.task: 0.0 for s in task_specs}
     notes: dict[str, str] = dict(problems)
     points = {s.task: s.points for s in task_specs}
+    tamper = provenance.tampering(sources)
     for s in task_specs:
+        if s.task not in notes and tamper:
+            notes[s.task] = tamper
         if s.task not in notes:
             arg = _check_arg(s.source)
             found = provenance.scan(sources, s.task, arg if arg and arg.isidentifier() else None)
@@ -379,6 +382,7 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
     wall = start + wall_timeout
     status = "finished"
     reached: set[str] = set()
+    cell_error = None                                           # the last failed cell since the last check
     try:
         while True:
             msg = conn.recv(min(wall, time.monotonic() + cell_timeout + GRACE))
@@ -390,6 +394,9 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
             event = msg.get("event")
             if event == "done":
                 break
+            if event == "cell":
+                cell_error = msg.get("error") or cell_error
+                continue
             if event != "task":
                 continue
             task = msg.get("task")
@@ -400,8 +407,10 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
             if task in notes:                                   # edited, or minirt's own: no cases run
                 pass
             elif msg.get("error"):
-                notes[task] = ("timed out (a cell ran over {:g} s)".format(cell_timeout) if msg["error"] == "timeout"
-                               else f"the task's function could not be taken: {str(msg['error'])[:200]}")
+                why = "timeout" if msg["error"] == "timeout" else str(cell_error or "")
+                notes[task] = (f"timed out (a cell ran over {cell_timeout:g} s)" if why == "timeout" else
+                               f"the task's function could not be taken: {str(msg['error'])[:150]}"
+                               + (f" (a cell before failed: {why[:100]})" if why else ""))
             elif (found := provenance.judge_identity(msg.get("identity"), task)):
                 notes[task] = found
             else:
@@ -418,6 +427,7 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
                     break
                 else:
                     notes[task] = note
+            cell_error = None
             conn.send({"op": "next"})
     finally:
         worker.cleanup()

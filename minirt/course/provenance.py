@@ -29,6 +29,20 @@ from typing import Any
 from minirt.course.checks import REFERENCE_NAMES
 
 REACH = ("sys.modules", "importlib", "__import__", "pkgutil", "walk_packages")
+# What a graded notebook may not use at all: the means to reach into the worker's grading code or the
+# interpreter (reflection, code built from text, the grader's own modules). A tampering submission scores 0
+# on every task.
+TAMPER_MODULES = {"builtins", "gc", "ctypes", "marshal", "inspect", "importlib", "pkgutil", "types", "code",
+                  "codeop", "runpy", "zipimport", "dis", "imp", "cffi", "signal", "threading", "_thread"}
+TAMPER_NAMES = {"exec", "eval", "compile", "__import__", "globals", "locals", "vars", "__builtins__",
+                "breakpoint", "get_ipython"}
+TAMPER_ATTRS = {"__code__", "__globals__", "__closure__", "__builtins__", "__subclasses__", "__dict__",
+                "__getattribute__", "__setattr__", "f_locals", "f_globals", "f_back", "f_builtins", "gi_frame",
+                "tb_frame", "_getframe", "settrace", "setprofile", "modules", "setitimer", "alarm", "__bases__",
+                "__mro__", "__class__"}
+GRADER_MODULES = ("minirt.course.worker", "minirt.course.wire", "minirt.course.provenance",
+                  "minirt.course.grading", "minirt.course.sandbox")
+CHECKS_PUBLIC = {"CheckFailed", "ToyTokenizer", "tiny_model", "device", "TINY_VOCAB"}
 
 
 def _resolve(name: str) -> Any:
@@ -64,6 +78,62 @@ def _lookup(root: Any, attrs: list[str]) -> list[Any]:
             break
         out.append(obj)
     return out
+
+
+def _checks_name_ok(name: str) -> bool:
+    from minirt.course import checks
+
+    return name in CHECKS_PUBLIC or name.replace("_", ".", 1) in checks.TASKS
+
+
+def tampering(sources: list[str]) -> str | None:
+    """A note when the submission's code reaches for the grading machinery or the interpreter's internals:
+    patching minirt (an assignment to, or setattr on, anything imported from minirt), the checks' internals,
+    the grader's modules, reflection and code built at run time. None for ordinary code."""
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        bound = _import_bindings(tree)
+        for node in ast.walk(tree):
+            where = None
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in TAMPER_MODULES or a.name.startswith(GRADER_MODULES):
+                        where = f"import {a.name}"
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.split(".")[0] in TAMPER_MODULES or node.module.startswith(GRADER_MODULES):
+                    where = f"from {node.module} import ..."
+                elif node.module == "minirt.course":
+                    bad = [a.name for a in node.names if a.name != "checks"]
+                    where = f"from minirt.course import {bad[0]}" if bad else None
+                elif node.module == "minirt.course.checks":
+                    bad = [a.name for a in node.names if not _checks_name_ok(a.name)]
+                    where = f"from minirt.course.checks import {bad[0]}" if bad else None
+            elif isinstance(node, ast.Name) and node.id in TAMPER_NAMES:
+                where = node.id
+            elif isinstance(node, ast.Attribute) and node.attr in TAMPER_ATTRS:
+                where = f".{node.attr}"
+            elif isinstance(node, ast.Attribute):
+                chain = _dotted(node)
+                objs = _lookup(bound[chain[0]], chain[1:]) if chain and chain[0] in bound else []
+                from minirt.course import checks
+                path = [bound[chain[0]], *objs] if objs else []
+                for k, o in enumerate(path[:-1]):
+                    if o is checks and not _checks_name_ok(chain[k + 1]):
+                        where = ".".join(chain[:k + 2])
+                if chain and chain[0] in bound and isinstance(node.ctx, (ast.Store, ast.Del)):
+                    where = f"{'.'.join(chain)} = ... (patching minirt)"
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("setattr", "delattr", "getattr") and node.args:
+                first = _dotted(node.args[0])
+                if (first and first[0] in bound) or (node.func.id != "getattr") or (
+                        len(node.args) > 1 and not isinstance(node.args[1], ast.Constant)):
+                    where = f"{node.func.id}({_unparse(node.args[0])}, ...)"
+            if where:
+                return f"tampers with the grader or the interpreter ({where[:80]}): not allowed in a graded notebook"
+    return None
 
 
 def _import_bindings(tree: ast.AST) -> dict[str, Any]:

@@ -22,13 +22,15 @@ Nothing here is trusted: the grader compares every answer with the reference in 
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
 import sys
 import types
 
-MAX_PRINTED = 2000
+MAX_PRINTED = 2000          # characters of what the student's function printed during one case, sent back
+MAX_OUTPUT = 4 * 2**20      # characters the cells may print through sys.stdout / sys.stderr; the rest is dropped
 
 
 class CellTimeout(BaseException):
@@ -121,14 +123,50 @@ def _shell():
     return InteractiveShell.instance(config=config)
 
 
-def serve_task(chan: Channel, task: str, fn) -> None:
+class Tools:
+    """The grading functions, taken before any of the submission's code runs (a later `checks._outcome = ...`
+    does not reach them; the grader's AST screen refuses such code anyway, and verdicts are the grader's)."""
+
+    def __init__(self):
+        import torch
+
+        from minirt.course import checks, wire
+
+        self.specs = dict(checks.SPECS)
+        self.apply, self.outcome, self.quiet = checks.apply, checks._outcome, checks._quiet
+        self.not_implemented, self.max_repr = checks._NotImplemented, checks.MAX_REPR
+        self.device = checks.device()
+        self.encode, self.decode = wire.encode, wire.decode
+        self.seed = torch.manual_seed
+
+
+class CappedText(io.TextIOBase):
+    """sys.stdout / sys.stderr of the cells: the first `cap` characters reach the grader, the rest is dropped."""
+
+    def __init__(self, fd: int, cap: int):
+        self.raw = os.fdopen(os.dup(fd), "w", buffering=1, errors="replace")
+        self.cap, self.used = cap, 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if self.used < self.cap:
+            self.raw.write(text[:self.cap - self.used])
+        self.used += len(text)
+        return len(text)
+
+    def flush(self) -> None:
+        try:
+            self.raw.flush()
+        except OSError:
+            pass
+
+
+def serve_task(chan: Channel, tools: Tools, task: str, fn) -> None:
     """Answer the grader's cases for one task until it says "next"."""
-    import torch
-
-    from minirt.course import checks, wire
-
-    spec = checks.SPECS[task]()
-    run = checks.apply(spec)
+    spec = tools.specs[task]()
+    run = tools.apply(spec)
     while True:
         req = chan.recv()
         if req is None:
@@ -137,22 +175,22 @@ def serve_task(chan: Channel, task: str, fn) -> None:
             return
         reply: dict
         try:
-            inputs = wire.decode(req["inputs"], device=checks.device(), rebuild=True)
-            torch.manual_seed(0)
+            inputs = tools.decode(req["inputs"], device=tools.device, rebuild=True)
+            tools.seed(0)
             _alarm(float(req.get("time_left", 60)))
             try:
-                with checks._quiet():
-                    kind, value, printed = checks._outcome(run, fn, inputs, student=True)
+                with tools.quiet():
+                    kind, value, printed = tools.outcome(run, fn, inputs, student=True)
             finally:
                 _alarm(0)
             printed = printed[:MAX_PRINTED]
             if kind == "ok":
-                reply = {"kind": "ok", "value": wire.encode(value), "printed": printed}
+                reply = {"kind": "ok", "value": tools.encode(value), "printed": printed}
             else:
                 reply = {"kind": "raised", "type": f"{type(value).__module__}.{type(value).__qualname__}",
                          "mro": [f"{c.__module__}.{c.__qualname__}" for c in type(value).__mro__],
-                         "message": str(value)[:checks.MAX_REPR], "printed": printed}
-        except checks._NotImplemented:
+                         "message": str(value)[:tools.max_repr], "printed": printed}
+        except tools.not_implemented:
             reply = {"kind": "not_implemented"}
         except CellTimeout:
             reply = {"kind": "timeout"}
@@ -163,7 +201,9 @@ def main(argv: list[str]) -> int:
     with open(argv[0]) as f:
         plan = json.load(f)
     chan = Channel()
+    sys.stdout = sys.stderr = CappedText(2, MAX_OUTPUT)
     signal.signal(signal.SIGALRM, _on_alarm)
+    tools = Tools()
     shell = _shell()
     timeout = float(plan["cell_timeout"])
     for i, cell in enumerate(plan["cells"]):
@@ -193,7 +233,7 @@ def main(argv: list[str]) -> int:
         finally:
             _alarm(0)
         chan.send({"event": "task", "task": task, "error": error, "identity": info})
-        serve_task(chan, task, fn)
+        serve_task(chan, tools, task, fn)
     chan.send({"event": "done"})
     sys.stdout.flush()
     os._exit(0)
