@@ -138,7 +138,7 @@ def _uid_processes() -> list[str]:
                     uid = next(ln.split()[1] for ln in f if ln.startswith("Uid:"))
             except (OSError, StopIteration):
                 continue
-            if sandbox.BASE_UID <= int(uid) < sandbox.BASE_UID + 64:
+            if sandbox.slot_uid(0) <= int(uid) < sandbox.slot_uid(0) + sandbox.MAX_SLOTS:
                 out.append(pid)
     return out
 
@@ -176,11 +176,13 @@ def test_attacks_score_zero_on_their_task_and_leave_nothing_behind(tmp_path, cap
     rows = _rows(out)
     assert tuple(int(rows["honest"][t]) for t in TASKS) == FULL and rows["honest"]["notes"] == ""
     assert {r["sandbox"] for r in rows.values()} == {"bwrap"}
+    wrong = {}
     for name, (_, expected, words) in attacks.items():
         r = rows[name]
         got = tuple(int(float(r[t])) for t in TASKS)
-        assert got == expected, (name, got, r["notes"])
-        assert words in r["notes"], (name, r["notes"])
+        if got != expected or words not in r["notes"]:
+            wrong[name] = (got, r["notes"][:300])
+    assert wrong == {}, wrong
     for p in [ROOT / "minirt" / "course" / f"pwned-{tag}", ROOT / f"pwned-{tag}", tmp_path / f"pwned-{tag}",
               Path(tempfile.gettempdir()) / f"pwned-{tag}"]:
         assert not p.exists(), p

@@ -62,7 +62,7 @@ print(json.dumps({{"seen": seen, "writes": writes, "uid": os.getuid(), "pid": os
     assert not any(r["seen"].values()), r["seen"]
     assert not r["solutions_near_minirt"]
     assert r["writes"] == {p: p == "/tmp/x" for p in r["writes"]}, r["writes"]
-    assert r["uid"] >= sandbox.BASE_UID and r["pid"] < 10          # an unprivileged uid, its own PID namespace
+    assert r["uid"] == sandbox.slot_uid(3) and r["pid"] < 10          # an unprivileged uid, its own PID namespace
     assert r["minirt"].startswith(sandbox.SANDBOX_LIB)
     assert not (ROOT / "minirt" / "x").exists()
 
@@ -117,7 +117,7 @@ else:
 """
     r = _run(kind, code, limits)
     assert r["error"] == "BlockingIOError" and r["forks"] < limits.processes, r
-    uid = str(sandbox.BASE_UID + 3)
+    uid = str(sandbox.slot_uid(3))
     left = [p for p in os.listdir("/proc") if p.isdigit() and _uid_of(p) == uid]
     assert left == [], left
 

@@ -377,7 +377,11 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
             found = provenance.scan(sources, s.task, arg if arg and arg.isidentifier() else None)
             if found:
                 notes[s.task] = found
-    worker = Worker(sandbox, slot, limits or Limits(), json.dumps(plan).encode())
+    try:
+        worker = Worker(sandbox, slot, limits or Limits(), json.dumps(plan).encode())
+    except OSError as e:
+        notes.update({s.task: notes.get(s.task, f"not run: the worker could not start ({e})") for s in task_specs})
+        return RunResult(scores, notes, "could not start", time.monotonic() - start, "")
     conn = Connection(worker, output_limit)
     wall = start + wall_timeout
     status = "finished"
@@ -468,7 +472,7 @@ def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFA
             "an unprivileged user with resource limits; the file system is not hidden from submissions"
             if kind == "user" else "no isolation at all, resource limits only"), file=sys.stderr, flush=True)
     expectations = Expectations()
-    slots = list(range(max(1, int(jobs))))
+    slots = list(range(max(1, min(int(jobs), sandboxes.MAX_SLOTS))))
     free = list(slots)
     lock = threading.Lock()
 
@@ -579,7 +583,7 @@ def format_table(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `grade` subcommand to an argparse subparsers object (`python -m minirt grade ...`)."""
-    p = subparsers.add_parser("grade", help="grade exercise notebooks (runs each under nbval, writes a CSV)",
+    p = subparsers.add_parser("grade", help="grade exercise notebooks (each in a sandboxed worker; writes a CSV)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("submissions", nargs="+", help="submitted .ipynb files")
     p.add_argument("--out", default=None, help="write the grade sheet to this CSV file")

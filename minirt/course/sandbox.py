@@ -7,7 +7,7 @@
     and the submission's own temporary folder as /tmp, the one writable place (also HOME and the cwd).
     It unshares the network (only a loopback of its own), PID, IPC, UTS and cgroup namespaces, starts a
     new session and dies with the grader. Inside, `setpriv` drops to the slot's own unprivileged uid and
-    gid (61000 + slot) with no capabilities before Python starts.
+    gid (`slot_uid`) with no capabilities before Python starts.
     Why not bwrap's own `--unshare-user`: run as root that maps the sandbox to uid 0 of the host's user
     count, and the kernel does not apply RLIMIT_NPROC to root, so a fork bomb went unbounded here; run as
     the unprivileged uid, bwrap cannot reach the Python install under /root (mode 700). Root outside, a
@@ -33,7 +33,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-BASE_UID = 61000
+BASE_UID = 100_000
+MAX_SLOTS = 32
+
+
+def slot_uid(slot: int) -> int:
+    """The unprivileged uid of a job slot: one per slot and per grader process (two graders on one machine,
+    or one grader's two slots, never share a process limit or kill each other's workers)."""
+    if not 0 <= slot < MAX_SLOTS:
+        raise ValueError(f"jobs: at most {MAX_SLOTS} at a time")
+    return BASE_UID + (os.getpid() % 100_000) * MAX_SLOTS + slot
 CLONE_NEWNET = 0x40000000
 
 
@@ -153,7 +162,7 @@ class Worker:
     """One sandboxed worker process: `python -m minirt.course.worker PLAN` with the protocol on stdin/stdout."""
 
     def __init__(self, kind: str, slot: int, limits: Limits, plan: bytes, argv: list[str] | None = None):
-        self.kind, self.uid, self.limits = kind, BASE_UID + slot, limits
+        self.kind, self.uid, self.limits = kind, slot_uid(slot), limits
         self.folder = Path(tempfile.mkdtemp(prefix="minirt-grade-sub-"))
         (self.folder / "plan.json").write_bytes(plan)
         if kind in ("bwrap", "user"):
