@@ -136,3 +136,18 @@ def test_subcommand_wiring():
     args = parser.parse_args(["grade", "a.ipynb", "b.ipynb", "--out", "g.csv", "--timeout", "60"])
     assert (args.command, args.submissions, args.out, args.timeout) == ("grade", ["a.ipynb", "b.ipynb"], "g.csv", 60)
     assert grading.run(args) == 2                         # no such files: refused before running anything
+
+
+def test_report_and_csv_name_the_sandbox(tmp_path, capsys):
+    from minirt.course import sandbox
+
+    sub = _variant(tmp_path, "correct", lambda nb: None)
+    out = tmp_path / "grades.csv"
+    assert grading.main([str(sub), "--out", str(out), "--sandbox", "none"]) == 0
+    captured = capsys.readouterr()
+    assert "sandbox: none" in captured.out and "warning: grading with sandbox 'none'" in captured.err
+    with open(out, newline="") as f:
+        (row,) = list(csv.DictReader(f))
+    assert (row["sandbox"], row["total"], row["notes"]) == ("none", "4", "")
+    rows = grading.grade([sub], verbose=False)                      # auto: the best that runs here
+    assert rows[0]["sandbox"] == sandbox.resolve("auto") and rows[0]["total"] == 4

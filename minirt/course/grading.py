@@ -1,25 +1,28 @@
-"""Grade submitted exercise notebooks: `python -m minirt grade SUBMISSIONS... [--out grades.csv]`.
+"""Grade submitted exercise notebooks: `python -m minirt grade SUBMISSIONS... [--out grades.csv] [--jobs N]
+[--sandbox auto|bwrap|user|none]`.
 
-Each submission is run on its own, top to bottom, under nbval (`python -m pytest --nbval`) in a temporary
-copy, in a fresh kernel of this Python, with a per-cell timeout and a wall-clock limit for the whole run.
-A task scores its points when its check cell passes, that is when the cell runs without an exception and
-prints exactly the `PASS exNN.task (k/k cases)` line of the solution notebook.
+Verdicts are decided here, not in the student's process. Each submission runs in a worker
+(`minirt.course.worker`) inside a sandbox (`minirt.course.sandbox`: bubblewrap where it works, else an
+unprivileged user; resource limits either way). The worker runs the code cells top to bottom, one IPython
+shell, each cell interrupted after `--timeout` seconds. At a check cell it takes the task's function or
+class (the check call's argument) and waits; this process then sends it every case's inputs as plain data
+(`minirt.course.wire`: JSON, tensors as raw bytes, never pickle), receives what the student's code returned
+or raised, and compares it with the reference, which runs here (`checks.compare`, the same comparison the
+notebook's check cell makes). Nothing the worker prints or patches changes a verdict: the check cells are
+not run there, and their PASS line is never read.
 
-What the grader trusts is the solutions directory (`solutions/` of the repository, or `--solutions DIR`):
-the tasks, their points, the source of every check cell and its expected output come from there.
+What the grader trusts is the solutions directory (`solutions/` of the repository, or `--solutions DIR`)
+and its own `minirt`: the tasks, their points and the source of every check cell come from there.
 
 * A check cell is found by its metadata (`{"minirt": {"task": "ex03.slot_mapping", "points": 1}}`) or by
   the `checks.ex03_slot_mapping(` call in its source. If its source differs from the solution's (compared
-  by a SHA-256 of the source with trailing whitespace removed), the task scores 0: "check cell edited".
-  A missing check cell scores 0 as well.
-* Outputs stored in the submission are ignored: before the run, every check cell gets the solution's
-  expected output and every other cell's outputs are cleared (so a student's own prints never fail a cell).
-* A submission that raises, hangs (the cell is interrupted after `--timeout` seconds), kills its kernel
-  (the cells after it cannot run and score 0), or floods its output (only the first bytes of anything it
-  prints are read) loses only its own points; the other submissions are graded normally.
-
-This is a grader for honest mistakes, not a sandbox: a submission runs arbitrary code as the user who
-grades. Grade untrusted submissions in a container or as an unprivileged user.
+  by a SHA-256 of the source with trailing whitespace removed), the task scores 0: "check cell edited"
+  (the edited cell then runs as an ordinary cell). A missing check cell scores 0 as well.
+* A graded function or class that is minirt's own implementation, or calls it, scores 0
+  (`minirt.course.provenance` says what is and is not caught).
+* A submission that raises, hangs (interrupted after `--timeout` seconds; a worker that does not stop is
+  killed), kills its worker (the tasks after it score 0), or floods its output (its worker is stopped after
+  16 MB) loses only its own points; the other submissions are graded normally.
 
 The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)` runs them standalone.
 """
@@ -27,25 +30,26 @@ The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)`
 from __future__ import annotations
 
 import argparse
+import ast
 import copy
 import csv
 import hashlib
 import json
 import os
 import re
-import shutil
-import signal
-import subprocess
+import select
 import sys
-import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_CELL_TIMEOUT = 120          # seconds one cell may run before it is interrupted
 DEFAULT_WALL_TIMEOUT = 900          # seconds the whole notebook may run (kernel start included)
-LOG_CAP = 64 * 1024                 # bytes of pytest's own output kept for diagnostics
-MESSAGE_CAP = 4000                  # characters of one cell's failure report kept
+LOG_CAP = 64 * 1024                 # bytes of what a notebook prints kept for diagnostics
+OUTPUT_LIMIT = 16 * 2**20           # bytes a notebook may print before its worker is stopped
+MAX_MESSAGE = 64 * 2**20            # bytes of one protocol message from the worker
+GRACE = 5.0                         # seconds the grader waits past a deadline the worker enforces itself
 CHECK_CALL = re.compile(r"checks\s*\.\s*(ex\d\d)_(\w+)\s*\(")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 
@@ -149,150 +153,299 @@ def prepare(nb, specs: list[TaskSpec]):
     return nb, cell_of_task, problems
 
 
-# ------------------------------------------------------------------------------------ running nbval
-
-# Written next to the notebook as conftest.py: reports every cell's outcome, as it happens, to a file the
-# kernel is not told about, and fails a cell at once when the kernel dies (nbval would wait out the timeout).
-_PLUGIN = r'''
-import json, os, re, time
-
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_RESULTS = os.environ.pop("MINIRT_GRADE_RESULTS", None)
+# ------------------------------------------------------------------------------------ the worker
 
 
-def pytest_configure(config):
+def _check_arg(source: str) -> str | None:
+    """The argument of the check call in a (trusted) check cell: `checks.ex03_slot_mapping(slot_mapping)`
+    -> "slot_mapping", the expression the worker evaluates to take the task's function or class."""
     try:
-        from queue import Empty
-        from nbval.kernel import RunningKernel
-    except Exception:
-        return
-    original = RunningKernel.await_reply
+        tree = ast.parse(source)
+    except SyntaxError:
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args \
+                and CHECK_CALL.match(ast.unparse(node.func) + "("):
+            return ast.unparse(node.args[0])
+    return None
 
-    def await_reply(self, msg_id, timeout=None):
-        deadline = None if timeout is None else time.monotonic() + float(timeout)
+
+def make_plan(nb, specs: list[TaskSpec], cell_timeout: float):
+    """(the worker's plan, {task: problem}, the sources of the non-check code cells). The plan lists every
+    code cell in order: its source, or, for a check cell that matches the solution, its task and argument."""
+    _, cell_of_task, problems = prepare(nb, specs)
+    by_task = {s.task: s for s in specs}
+    cells, sources = [], []
+    for index, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+        task = cell_of_task.get(index)
+        if task is not None:
+            arg = _check_arg(by_task[task].source)
+            if arg is None:
+                problems[task] = "the solution's check cell has no check call"
+                continue
+            cells.append({"task": task, "arg": arg})
+        else:
+            cells.append({"source": cell.source})
+            sources.append(cell.source)
+    return {"cell_timeout": cell_timeout, "cells": cells}, problems, sources
+
+
+class Expectations:
+    """The reference's outcome and the encoded inputs of every case of a task, computed once in the grader's
+    process and shared by all submissions (and threads)."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._tasks: dict[str, tuple] = {}
+
+    def get(self, task: str):
+        from minirt.course import checks, wire
+
+        with self._lock:
+            if task not in self._tasks:
+                spec = checks.SPECS[task]()
+                with checks._quiet(), torch_fork_rng():
+                    rows = [(case, checks.reference_outcome(spec, case), wire.encode(case.make()))
+                            for case in spec.cases]
+                self._tasks[task] = (spec, rows)
+            return self._tasks[task]
+
+
+def torch_fork_rng():
+    import torch
+
+    return torch.random.fork_rng(devices=[])
+
+
+class Connection:
+    """Reads the worker's protocol messages with a deadline; drains and caps its other output."""
+
+    def __init__(self, worker, output_limit: int):
+        self.worker, self.output_limit = worker, output_limit
+        self.fd = worker.proc.stdout.fileno()
+        self.buf = b""
+        self.log = bytearray()
+        self.printed = 0
+        self.flooded = False
+        self.broken: str | None = None
+        self._drain = threading.Thread(target=self._drain_stderr, daemon=True)
+        self._drain.start()
+
+    def _drain_stderr(self) -> None:
+        f = self.worker.proc.stderr
         while True:
-            left = 1.0 if deadline is None else min(1.0, deadline - time.monotonic())
-            if left <= 0:
-                raise Empty
             try:
-                return original(self, msg_id, timeout=left)
-            except Empty:
-                if not self.is_alive():
-                    raise RuntimeError("Kernel died while executing the cell") from None
+                chunk = f.read1(1 << 16)
+            except (OSError, ValueError):
+                return
+            if not chunk:
+                return
+            self.printed += len(chunk)
+            if len(self.log) < LOG_CAP:
+                self.log += chunk[:LOG_CAP - len(self.log)]
+            if self.printed > self.output_limit and not self.flooded:
+                self.flooded = True
+                self.worker.kill()
 
-    RunningKernel.await_reply = await_reply
+    def send(self, msg: dict) -> bool:
+        from minirt.course import wire
+
+        try:
+            self.worker.proc.stdin.write(wire.dumps(msg))
+            self.worker.proc.stdin.flush()
+            return True
+        except (OSError, ValueError):
+            return False
+
+    def recv(self, deadline: float) -> dict | None:
+        """The next message; None when the worker is gone, stops talking by `deadline`, or breaks the protocol
+        (`self.broken` says which)."""
+        import json
+
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.broken = "timeout"
+                return None
+            ready, _, _ = select.select([self.fd], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(self.fd, 1 << 20)
+            if not chunk:
+                self.broken = "output limit" if self.flooded else "died"
+                return None
+            self.buf += chunk
+            if len(self.buf) > MAX_MESSAGE:
+                self.broken = "protocol"
+                return None
+        line, self.buf = self.buf.split(b"\n", 1)
+        try:
+            msg = json.loads(line)
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict):
+            self.broken = "protocol"
+            return None
+        return msg
 
 
-def pytest_runtest_logreport(report):
-    if _RESULTS is None or not (report.when == "call" or report.outcome != "passed"):
-        return
-    text = "" if report.passed else _ANSI.sub("", str(report.longrepr))
-    if len(text) > %(cap)d:          # the exception line is at the end: keep both ends
-        text = text[:1000] + "\n[...]\n" + text[-(%(cap)d - 1000):]
-    with open(_RESULTS, "a") as f:
-        f.write(json.dumps({"nodeid": report.nodeid, "when": report.when, "outcome": report.outcome,
-                            "message": text}) + "\n")
-''' % {"cap": MESSAGE_CAP}
+def _outcome_of(reply: dict):
+    """(kind, value, printed) from a worker's reply to a case, or raises ValueError when malformed."""
+    from minirt.course import checks, wire
+
+    kind = reply.get("kind")
+    printed = str(reply.get("printed", ""))[:2000]
+    if kind == "ok":
+        return "ok", wire.decode(reply.get("value"), device=checks.device()), printed
+    if kind == "raised":
+        mro = [str(m) for m in reply.get("mro", [])][:50] if isinstance(reply.get("mro"), list) else []
+        return "raised", checks.RemoteError(str(reply.get("type", "?"))[:200], mro,
+                                            str(reply.get("message", ""))[:checks.MAX_REPR]), printed
+    raise ValueError(f"unexpected reply kind {kind!r}")
+
+
+def _first_line(message: str) -> str:
+    first = message.strip().split("\n")[0]
+    return first if len(first) <= 200 else first[:200] + "..."
+
+
+def _judge_task(conn: Connection, task: str, expectations: Expectations, timeout: float) -> tuple[bool, str | None]:
+    """Send every case of `task` to the worker and compare its answers here: (passed, note)."""
+    from minirt.course import checks
+
+    _, rows = expectations.get(task)
+    n = len(rows)
+    deadline = time.monotonic() + timeout
+    for i, (case, expected, inputs) in enumerate(rows, 1):
+        left = deadline - time.monotonic()
+        if left <= 0 or not conn.send({"op": "case", "inputs": inputs, "time_left": left}):
+            return False, f"timed out (a cell ran over {timeout:g} s)" if left <= 0 else None
+        reply = conn.recv(deadline + GRACE)
+        if reply is None:
+            return False, None                                 # the caller says why (conn.broken)
+        if reply.get("kind") == "not_implemented":
+            return False, "task not implemented yet"
+        if reply.get("kind") == "timeout":
+            return False, f"timed out (a cell ran over {timeout:g} s)"
+        try:
+            got = _outcome_of(reply)
+        except ValueError as e:
+            return False, f"the worker's answer is not valid data ({str(e)[:100]})"
+        message = checks.compare(task, i, case, n, expected, got[:2], got[2])
+        if message is not None:
+            return False, _first_line(message)
+    return True, None
+
+
+BROKEN_NOTES = {
+    "died": "kernel died (the notebook could not go on)",
+    "timeout": "timed out: the worker stopped answering and was killed",
+    "output limit": "output limit: the notebook printed more than {limit} MB and was stopped",
+    "protocol": "the worker broke the grading protocol and was stopped",
+}
 
 
 @dataclass
 class RunResult:
-    cells: dict[int, tuple[str, str]]       # nbval cell number -> (outcome, message)
-    status: str                              # "finished", "wall timeout", "could not start"
+    scores: dict[str, float]
+    notes: dict[str, str]
+    status: str                         # "finished", "wall timeout", "worker died", ...
     seconds: float
-    log: str                                 # the head of pytest's own output
+    log: str                            # the head of what the notebook printed
 
 
-def _kill_tree(proc: subprocess.Popen) -> None:
-    """Kill pytest and every process it started (the kernel runs in a session of its own)."""
-    victims = []
-    try:
-        import psutil
+def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, sandbox: str, slot: int = 0,
+                   cell_timeout: float = DEFAULT_CELL_TIMEOUT, wall_timeout: float = DEFAULT_WALL_TIMEOUT,
+                   limits=None, output_limit: int = OUTPUT_LIMIT) -> RunResult:
+    """Run one submission in a sandboxed worker and score its tasks in this process."""
+    import json
 
-        victims = psutil.Process(proc.pid).children(recursive=True)
-    except Exception:  # noqa: BLE001 - psutil missing or the process already gone
-        pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    for p in victims:
-        try:
-            p.kill()
-        except Exception:  # noqa: BLE001
-            pass
-    proc.wait()
+    from minirt.course import provenance
+    from minirt.course.sandbox import Limits, Worker
 
-
-def run_notebook(path: Path, cell_timeout: float = DEFAULT_CELL_TIMEOUT,
-                 wall_timeout: float = DEFAULT_WALL_TIMEOUT) -> RunResult:
-    """Run one notebook under nbval in a scratch directory; every cell's outcome, however the run ends."""
-    work = Path(tempfile.mkdtemp(prefix="minirt-grade-"))
-    private = Path(tempfile.mkdtemp(prefix="minirt-grade-results-"))
-    results = private / "results.jsonl"
     start = time.monotonic()
+    plan, problems, sources = make_plan(nb, task_specs, cell_timeout)
+    scores = {s.task: 0.0 for s in task_specs}
+    notes: dict[str, str] = dict(problems)
+    points = {s.task: s.points for s in task_specs}
+    tamper = provenance.tampering(sources)
+    for s in task_specs:
+        if s.task not in notes and tamper:
+            notes[s.task] = tamper
+        if s.task not in notes:
+            arg = _check_arg(s.source)
+            found = provenance.scan(sources, s.task, arg if arg and arg.isidentifier() else None)
+            if found:
+                notes[s.task] = found
     try:
-        nb_path = work / "submission.ipynb"
-        shutil.copyfile(path, nb_path)
-        (work / "conftest.py").write_text(_PLUGIN)
-        (work / "pytest.ini").write_text("[pytest]\naddopts =\n")
-        env = dict(os.environ, MINIRT_GRADE_RESULTS=str(results), MPLBACKEND="Agg", PYTHONDONTWRITEBYTECODE="1")
-        cmd = [sys.executable, "-m", "pytest", "--nbval", "--nbval-current-env", nb_path.name,
-               "--nbval-cell-timeout", str(cell_timeout), "--nbval-kernel-startup-timeout", "120",
-               "-c", "pytest.ini", "--rootdir", str(work), "-p", "no:cacheprovider", "-q", "--tb=no",
-               "-W", "ignore", "--color=no"]
-        log_path = private / "pytest.log"
-        with open(log_path, "wb") as log:
-            proc = subprocess.Popen(cmd, cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-            try:
-                proc.wait(timeout=wall_timeout)
-                status = "finished"
-            except subprocess.TimeoutExpired:
-                _kill_tree(proc)
-                status = "wall timeout"
+        worker = Worker(sandbox, slot, limits or Limits(), json.dumps(plan).encode())
+    except OSError as e:
+        notes.update({s.task: notes.get(s.task, f"not run: the worker could not start ({e})") for s in task_specs})
+        return RunResult(scores, notes, "could not start", time.monotonic() - start, "")
+    conn = Connection(worker, output_limit)
+    wall = start + wall_timeout
+    status = "finished"
+    reached: set[str] = set()
+    cell_error = None                                           # the last failed cell since the last check
+    try:
+        while True:
+            msg = conn.recv(min(wall, time.monotonic() + cell_timeout + GRACE))
+            if msg is None:
+                status = "wall timeout" if time.monotonic() >= wall else {
+                    "died": "worker died", "timeout": "worker stopped answering", "output limit": "output limit",
+                    "protocol": "protocol broken"}.get(conn.broken or "", "worker died")
+                break
+            event = msg.get("event")
+            if event == "done":
+                break
+            if event == "cell":
+                cell_error = msg.get("error") or cell_error
+                continue
+            if event != "task":
+                continue
+            task = msg.get("task")
+            if task not in points or task in reached:
+                status = "protocol broken"
+                break
+            reached.add(task)
+            if task in notes:                                   # edited, or minirt's own: no cases run
+                pass
+            elif msg.get("error"):
+                why = "timeout" if msg["error"] == "timeout" else str(cell_error or "")
+                notes[task] = (f"timed out (a cell ran over {cell_timeout:g} s)" if why == "timeout" else
+                               f"the task's function could not be taken: {str(msg['error'])[:150]}"
+                               + (f" (a cell before failed: {why[:100]})" if why else ""))
+            elif (found := provenance.judge_identity(msg.get("identity"), task)):
+                notes[task] = found
             else:
-                _kill_tree(proc)      # a kernel left behind (it should not be) goes too
-        with open(log_path, "rb") as f:
-            head = f.read(LOG_CAP).decode("utf-8", "replace")
-        cells: dict[int, tuple[str, str]] = {}
-        if results.exists():
-            with open(results, "rb") as f:
-                for raw in f.read(8 * 2**20).splitlines():
-                    try:
-                        rec = json.loads(raw)
-                    except ValueError:
-                        continue
-                    m = re.search(r"::Cell (\d+)$", rec.get("nodeid", ""))
-                    if m:
-                        n = int(m.group(1))
-                        if n not in cells or cells[n][0] == "passed":
-                            cells[n] = (rec["outcome"], rec.get("message", ""))
-        if not cells and status == "finished" and proc.returncode not in (0, 1):
-            status = "could not start"
-        return RunResult(cells, status, time.monotonic() - start, head)
+                ok, note = _judge_task(conn, task, expectations, min(cell_timeout, max(0.0, wall - time.monotonic())))
+                if ok:
+                    scores[task] = points[task]
+                elif note is None:
+                    reached.discard(task)                       # the worker is gone: said below
+                    break_reason = conn.broken or "died"
+                    notes[task] = BROKEN_NOTES.get(break_reason, BROKEN_NOTES["died"]).format(
+                        limit=output_limit // 2**20)
+                    status = {"died": "worker died", "timeout": "worker stopped answering"}.get(break_reason,
+                                                                                                break_reason)
+                    break
+                else:
+                    notes[task] = note
+            cell_error = None
+            conn.send({"op": "next"})
     finally:
-        shutil.rmtree(work, ignore_errors=True)
-        shutil.rmtree(private, ignore_errors=True)
-
-
-def _reason(message: str, cell_timeout: float) -> str:
-    """One line saying why a check cell failed, from nbval's report."""
-    text = ANSI.sub("", message)
-    if "Kernel died" in text or "Kernel dead" in text:
-        return "kernel died (the notebook could not go on)"
-    if "Timeout of" in text:
-        return f"timed out (a cell ran over {cell_timeout:g} s)"
-    m = re.search(r"CheckFailed: (.*)", text)
-    if m:
-        first = m.group(1).strip()
-        if "not implemented yet" in first:
-            return "task not implemented yet"
-        return first if len(first) <= 200 else first[:200] + "..."
-    if "Cell outputs differ" in text:
-        return "the check's output differs from the expected PASS line"
-    errors = [ln.strip() for ln in text.splitlines() if re.match(r"\s*\w*(Error|Exception)\b", ln.strip())]
-    return errors[-1][:200] if errors else "check cell failed"
+        worker.cleanup()
+    for s in task_specs:
+        if s.task not in reached and s.task not in notes:
+            if status == "wall timeout":
+                notes[s.task] = f"not run: the notebook hit the wall-clock limit of {wall_timeout:g} s"
+            elif status == "output limit":
+                notes[s.task] = BROKEN_NOTES["output limit"].format(limit=output_limit // 2**20)
+            elif status in ("worker died", "protocol broken", "worker stopped answering"):
+                notes[s.task] = BROKEN_NOTES["died"] if status == "worker died" else f"not run ({status})"
+            else:
+                notes[s.task] = "not run (the notebook ended before its check cell)"
+    return RunResult(scores, notes, status, time.monotonic() - start, bytes(conn.log).decode("utf-8", "replace"))
 
 
 # ------------------------------------------------------------------------------------ grading
@@ -300,69 +453,76 @@ def _reason(message: str, cell_timeout: float) -> str:
 
 def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFAULT_CELL_TIMEOUT,
           wall_timeout: float = DEFAULT_WALL_TIMEOUT, solutions_dir: str | os.PathLike | None = None,
-          verbose: bool = True) -> list[dict]:
+          verbose: bool = True, sandbox: str = "auto", jobs: int = 1, limits=None) -> list[dict]:
     """Grade each submission; returns one row per submission and writes `out_csv` when given.
 
     A row: {"submission", "exercise", "scores": {task: points}, "total", "max", "notes": {task: reason},
-    "seconds", "status"}. `timeout` is per cell, `wall_timeout` per notebook (seconds).
+    "seconds", "status", "sandbox"}. `timeout` is per cell (and per task's check), `wall_timeout` per
+    notebook (seconds). `sandbox` is auto, bwrap, user or none (see `minirt.course.sandbox`); `jobs`
+    submissions run at a time.
     """
-    import nbformat
+    from concurrent.futures import ThreadPoolExecutor
+
+    from minirt.course import sandbox as sandboxes
 
     specs = load_specs(solutions_dir)
-    rows = []
-    for p in paths:
-        path = Path(p)
-        row = {"submission": str(path), "exercise": None, "scores": {}, "total": 0.0, "max": 0.0,
-               "notes": {}, "seconds": 0.0, "status": ""}
-        rows.append(row)
+    kind = sandboxes.resolve(sandbox)
+    if verbose and kind != "bwrap":
+        print(f"warning: grading with sandbox {kind!r}: " + (
+            "an unprivileged user with resource limits; the file system is not hidden from submissions"
+            if kind == "user" else "no isolation at all, resource limits only"), file=sys.stderr, flush=True)
+    expectations = Expectations()
+    slots = list(range(max(1, min(int(jobs), sandboxes.MAX_SLOTS))))
+    free = list(slots)
+    lock = threading.Lock()
+
+    def one(p) -> dict:
+        with lock:
+            slot = free.pop()
         try:
-            nb = nbformat.read(path, as_version=4)
-        except Exception as e:  # noqa: BLE001 - unreadable file: no points, say why
-            row["status"] = f"unreadable notebook: {type(e).__name__}: {str(e)[:200]}"
-            exercise = _exercise_of(nbformat.v4.new_notebook(), path, specs)   # from the file name, if it says
-            if exercise is not None:
-                row["exercise"], row["max"] = exercise, sum(s.points for s in specs[exercise])
-                row["scores"] = {s.task: 0.0 for s in specs[exercise]}
-            _progress(verbose, row)
-            continue
-        exercise = _exercise_of(nb, path, specs)
-        if exercise is None:
-            row["status"] = "no exercise recognised (no check cells, no exNN in the file name)"
-            _progress(verbose, row)
-            continue
-        row["exercise"] = exercise
-        task_specs = specs[exercise]
-        row["max"] = sum(s.points for s in task_specs)
-        prepared, cell_of_task, problems = prepare(nb, task_specs)
-        scratch = Path(tempfile.mkdtemp(prefix="minirt-grade-in-"))
-        try:
-            nb_file = scratch / "submission.ipynb"
-            nbformat.write(prepared, nb_file)
-            result = run_notebook(nb_file, timeout, wall_timeout)
+            row = _grade_one(Path(p), specs, expectations, kind, slot, timeout, wall_timeout, limits)
         finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-        row["seconds"], row["status"] = result.seconds, result.status
-        task_cell = {t: n for n, t in cell_of_task.items()}
-        for spec in task_specs:
-            t = spec.task
-            score, note = 0.0, problems.get(t)
-            if note is None:
-                outcome = result.cells.get(task_cell[t])
-                if outcome is None:
-                    note = ("not run: the notebook hit the wall-clock limit of " f"{wall_timeout:g} s"
-                            if result.status == "wall timeout" else f"not run ({result.status})")
-                elif outcome[0] == "passed":
-                    score = spec.points
-                else:
-                    note = _reason(outcome[1], timeout)
-            row["scores"][t] = score
-            if note:
-                row["notes"][t] = note
-        row["total"] = sum(row["scores"].values())
+            with lock:
+                free.append(slot)
         _progress(verbose, row)
+        return row
+
+    if len(slots) == 1:
+        rows = [one(p) for p in paths]
+    else:
+        with ThreadPoolExecutor(len(slots)) as pool:
+            rows = list(pool.map(one, paths))
     if out_csv is not None:
         write_csv(rows, out_csv, specs)
     return rows
+
+
+def _grade_one(path: Path, specs, expectations, kind, slot, timeout, wall_timeout, limits) -> dict:
+    import nbformat
+
+    row = {"submission": str(path), "exercise": None, "scores": {}, "total": 0.0, "max": 0.0,
+           "notes": {}, "seconds": 0.0, "status": "", "sandbox": kind}
+    try:
+        nb = nbformat.read(path, as_version=4)
+    except Exception as e:  # noqa: BLE001 - unreadable file: no points, say why
+        row["status"] = f"unreadable notebook: {type(e).__name__}: {str(e)[:200]}"
+        exercise = _exercise_of(nbformat.v4.new_notebook(), path, specs)   # from the file name, if it says
+        if exercise is not None:
+            row["exercise"], row["max"] = exercise, sum(s.points for s in specs[exercise])
+            row["scores"] = {s.task: 0.0 for s in specs[exercise]}
+        return row
+    exercise = _exercise_of(nb, path, specs)
+    if exercise is None:
+        row["status"] = "no exercise recognised (no check cells, no exNN in the file name)"
+        return row
+    row["exercise"] = exercise
+    task_specs = specs[exercise]
+    row["max"] = sum(s.points for s in task_specs)
+    result = run_submission(nb, task_specs, expectations, kind, slot, timeout, wall_timeout, limits)
+    row["seconds"], row["status"] = result.seconds, result.status
+    row["scores"], row["notes"] = result.scores, {t: result.notes[t] for t in result.scores if t in result.notes}
+    row["total"] = sum(row["scores"].values())
+    return row
 
 
 def _progress(verbose: bool, row: dict) -> None:
@@ -378,19 +538,19 @@ def _columns(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> list[str]:
 
 
 def write_csv(rows: list[dict], out_csv, specs: dict[str, list[TaskSpec]] | None = None) -> None:
-    """One row per submission: submission, exercise, one column per task, total, max, notes."""
+    """One row per submission: submission, exercise, one column per task, total, max, sandbox, notes."""
     specs = specs or {}
     tasks = _columns(rows, specs) if specs else sorted({t for r in rows for t in r["scores"]})
     with open(out_csv, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["submission", "exercise", *tasks, "total", "max", "notes"])
+        w.writerow(["submission", "exercise", *tasks, "total", "max", "sandbox", "notes"])
         for r in rows:
             notes = "; ".join(f"{t}: {n}" for t, n in r["notes"].items())
             if r["status"] not in ("", "finished"):
                 notes = f"{r['status']}" + (f"; {notes}" if notes else "")
             w.writerow([r["submission"], r["exercise"] or "",
                         *[(f"{r['scores'][t]:g}" if t in r["scores"] else "") for t in tasks],
-                        f"{r['total']:g}", f"{r['max']:g}", notes])
+                        f"{r['total']:g}", f"{r['max']:g}", r.get("sandbox", ""), notes])
 
 
 def format_table(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> str:
@@ -413,7 +573,9 @@ def format_table(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> str:
         if r["status"] not in ("", "finished"):
             notes.append(f"  {name}: {r['status']}")
         notes += [f"  {name} {t}: {n}" for t, n in r["notes"].items()]
-    return "\n".join(lines + (["", "notes:", *notes] if notes else []))
+    kinds = sorted({r.get("sandbox") for r in rows if r.get("sandbox")})
+    footer = [f"sandbox: {', '.join(kinds)}"] if kinds else []
+    return "\n".join(lines + (["", "notes:", *notes] if notes else []) + footer)
 
 
 # ------------------------------------------------------------------------------------ command line
@@ -421,7 +583,7 @@ def format_table(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> str:
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the `grade` subcommand to an argparse subparsers object (`python -m minirt grade ...`)."""
-    p = subparsers.add_parser("grade", help="grade exercise notebooks (runs each under nbval, writes a CSV)",
+    p = subparsers.add_parser("grade", help="grade exercise notebooks (each in a sandboxed worker; writes a CSV)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("submissions", nargs="+", help="submitted .ipynb files")
     p.add_argument("--out", default=None, help="write the grade sheet to this CSV file")
@@ -431,6 +593,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"seconds one whole notebook may run (default {DEFAULT_WALL_TIMEOUT})")
     p.add_argument("--solutions", default=None,
                    help="directory of the solution notebooks (default: solutions/ of this checkout)")
+    p.add_argument("--sandbox", choices=["auto", "bwrap", "user", "none"], default="auto",
+                   help="where submissions run: bwrap (bubblewrap), user (an unprivileged uid), none; "
+                        "auto (default) takes the first that works")
+    p.add_argument("--jobs", type=int, default=1, help="submissions graded at a time (default 1)")
     return p
 
 
@@ -445,7 +611,15 @@ def run(args) -> int:
     if missing:
         print(f"error: no such file: {', '.join(missing)}", file=sys.stderr)
         return 2
-    rows = grade(args.submissions, args.out, args.timeout, args.wall_timeout, args.solutions)
+    from minirt.course import sandbox
+
+    try:
+        sandbox.resolve(getattr(args, "sandbox", "auto"))
+    except (RuntimeError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    rows = grade(args.submissions, args.out, args.timeout, args.wall_timeout, args.solutions,
+                 sandbox=getattr(args, "sandbox", "auto"), jobs=getattr(args, "jobs", 1))
     print(format_table(rows, specs))
     if args.out:
         print(f"\nwrote {args.out}")

@@ -1,0 +1,224 @@
+"""Is a graded function minirt's own? Handing in (or calling) the package's reference is not a solution.
+
+Two looks, both decided in the grader's process (`checks.REFERENCE_NAMES` lists each task's reference):
+
+* `scan(sources, task, name)` reads the submission's code cells with `ast`, never running them. It flags
+  - an import that binds the reference (`from minirt.kv.paged_cache import slot_mapping`, a re-export such as
+    `from minirt.kv import BlockPool`, an alias), resolved by identity in the grader's own `minirt`;
+  - a dotted name that reaches it from a minirt import (`minirt.kv.paged_cache.slot_mapping`,
+    `Scheduler.schedule` after `from minirt.scheduler import Scheduler`);
+  - inside the graded definition itself, a call of a method of the reference's name (`scheduler.schedule()`
+    in `schedule`, `cache.match(...)` in `match`);
+  - a string equal to the reference's name, or `sys.modules` / `importlib` / `__import__` / `pkgutil`, in any
+    code cell (how a submission finds the reference without naming it: `getattr(module, "slot_" + ...)` is
+    still caught by the worker's report).
+* `judge_identity(info, task)` reads what the worker reported about the object it took: its module and
+  qualname, its bases, and which of the task's references its globals or closure hold.
+
+What it does not catch: the reference's source copied by hand under another name, code built at run time from
+text (`exec` of an encoded string) by a worker that also lies in its report, and a hard-coded table of the
+(public) cases' answers. The sandbox keeps the solutions out of reach; the cases stay public by design.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from typing import Any
+
+from minirt.course.checks import REFERENCE_NAMES
+
+REACH = ("sys.modules", "importlib", "__import__", "pkgutil", "walk_packages")
+# What a graded notebook may not use at all: the means to reach into the worker's grading code or the
+# interpreter (reflection, code built from text, the grader's own modules). A tampering submission scores 0
+# on every task.
+TAMPER_MODULES = {"builtins", "gc", "ctypes", "marshal", "inspect", "importlib", "pkgutil", "types", "code",
+                  "codeop", "runpy", "zipimport", "dis", "imp", "cffi", "signal", "threading", "_thread"}
+TAMPER_NAMES = {"exec", "eval", "compile", "__import__", "globals", "locals", "vars", "__builtins__",
+                "breakpoint", "get_ipython"}
+TAMPER_ATTRS = {"__code__", "__globals__", "__closure__", "__builtins__", "__subclasses__", "__dict__",
+                "__getattribute__", "__setattr__", "f_locals", "f_globals", "f_back", "f_builtins", "gi_frame",
+                "tb_frame", "_getframe", "settrace", "setprofile", "modules", "setitimer", "alarm", "__bases__",
+                "__mro__", "__class__"}
+GRADER_MODULES = ("minirt.course.worker", "minirt.course.wire", "minirt.course.provenance",
+                  "minirt.course.grading", "minirt.course.sandbox")
+CHECKS_PUBLIC = {"CheckFailed", "ToyTokenizer", "tiny_model", "device", "TINY_VOCAB"}
+
+
+def _resolve(name: str) -> Any:
+    module, qualname = name.split(":")
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def reference_objects(task: str) -> list[Any]:
+    """minirt's implementation(s) of this task (functions, classes, unbound methods)."""
+    return [_resolve(n) for n in REFERENCE_NAMES.get(task, ())]
+
+
+def _dotted(node: ast.AST) -> list[str] | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        return [node.id, *reversed(parts)]
+    return None
+
+
+def _lookup(root: Any, attrs: list[str]) -> list[Any]:
+    """The objects along root.a.b.c (as far as they exist)."""
+    out, obj = [], root
+    for a in attrs:
+        try:
+            obj = getattr(obj, a)
+        except Exception:  # noqa: BLE001 - a name that minirt does not have reaches nothing
+            break
+        out.append(obj)
+    return out
+
+
+def _checks_name_ok(name: str) -> bool:
+    from minirt.course import checks
+
+    return name in CHECKS_PUBLIC or name.replace("_", ".", 1) in checks.TASKS
+
+
+def tampering(sources: list[str]) -> str | None:
+    """A note when the submission's code reaches for the grading machinery or the interpreter's internals:
+    patching minirt (an assignment to, or setattr on, anything imported from minirt), the checks' internals,
+    the grader's modules, reflection and code built at run time. None for ordinary code."""
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue
+        bound = _import_bindings(tree)
+        for node in ast.walk(tree):
+            where = None
+            if isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name.split(".")[0] in TAMPER_MODULES or a.name.startswith(GRADER_MODULES):
+                        where = f"import {a.name}"
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                if node.module.split(".")[0] in TAMPER_MODULES or node.module.startswith(GRADER_MODULES):
+                    where = f"from {node.module} import ..."
+                elif node.module == "minirt.course":
+                    bad = [a.name for a in node.names if a.name != "checks"]
+                    where = f"from minirt.course import {bad[0]}" if bad else None
+                elif node.module == "minirt.course.checks":
+                    bad = [a.name for a in node.names if not _checks_name_ok(a.name)]
+                    where = f"from minirt.course.checks import {bad[0]}" if bad else None
+            elif isinstance(node, ast.Name) and node.id in TAMPER_NAMES:
+                where = node.id
+            elif isinstance(node, ast.Attribute) and node.attr in TAMPER_ATTRS:
+                where = f".{node.attr}"
+            elif isinstance(node, ast.Attribute):
+                chain = _dotted(node)
+                objs = _lookup(bound[chain[0]], chain[1:]) if chain and chain[0] in bound else []
+                from minirt.course import checks
+                path = [bound[chain[0]], *objs] if objs else []
+                for k, o in enumerate(path[:-1]):
+                    if o is checks and not _checks_name_ok(chain[k + 1]):
+                        where = ".".join(chain[:k + 2])
+                if chain and chain[0] in bound and isinstance(node.ctx, (ast.Store, ast.Del)):
+                    where = f"{'.'.join(chain)} = ... (patching minirt)"
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id in ("setattr", "delattr", "getattr") and node.args:
+                first = _dotted(node.args[0])
+                if (first and first[0] in bound) or (node.func.id != "getattr") or (
+                        len(node.args) > 1 and not isinstance(node.args[1], ast.Constant)):
+                    where = f"{node.func.id}({_unparse(node.args[0])}, ...)"
+            if where:
+                return f"tampers with the grader or the interpreter ({where[:80]}): not allowed in a graded notebook"
+    return None
+
+
+def _import_bindings(tree: ast.AST) -> dict[str, Any]:
+    """Names bound by imports from minirt, to the grader's own objects."""
+    bound: dict[str, Any] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] == "minirt":
+                    try:
+                        if a.asname:
+                            bound[a.asname] = importlib.import_module(a.name)
+                        else:
+                            importlib.import_module(a.name)
+                            bound["minirt"] = importlib.import_module("minirt")
+                    except Exception:  # noqa: BLE001
+                        pass
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 \
+                and node.module.split(".")[0] == "minirt":
+            for a in node.names:
+                try:
+                    module = importlib.import_module(node.module)
+                    value = getattr(module, a.name) if hasattr(module, a.name) else \
+                        importlib.import_module(f"{node.module}.{a.name}")
+                except Exception:  # noqa: BLE001
+                    continue
+                bound[a.asname or a.name] = value
+    return bound
+
+
+def scan(sources: list[str], task: str, name: str | None) -> str | None:
+    """A note when the submission's code (its non-check code cells) hands in or calls this task's reference."""
+    refs = reference_objects(task)
+    ref_names = {n.split(":")[1].split(".")[-1] for n in REFERENCE_NAMES.get(task, ())}
+    methods = {n.split(":")[1].split(".")[-1] for n in REFERENCE_NAMES.get(task, ()) if "." in n.split(":")[1]}
+    is_ref = lambda obj: any(obj is r for r in refs)  # noqa: E731
+    shown = ", ".join(n.replace(":", ".") for n in REFERENCE_NAMES.get(task, ()))
+    for source in sources:
+        try:
+            tree = ast.parse(source)
+        except SyntaxError:
+            continue                      # IPython syntax or a broken cell: the worker's report still applies
+        bound = _import_bindings(tree)
+        for alias, value in bound.items():
+            if is_ref(value):
+                return f"hands in minirt's own implementation ({shown}, imported as {alias!r}): not a solution"
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                chain = _dotted(node)
+                if chain and chain[0] in bound and any(is_ref(o) for o in _lookup(bound[chain[0]], chain[1:])):
+                    return f"reaches minirt's own implementation ({'.'.join(chain)}): not a solution"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in ref_names:
+                return f"names minirt's implementation of this task ({node.value!r} in a string): not a solution"
+            text = _dotted(node) if isinstance(node, (ast.Attribute, ast.Name)) else None
+            if text and any(".".join(text).startswith(r) or text[0] == r for r in REACH):
+                return f"looks up modules at run time ({'.'.join(text)}): not allowed in a graded notebook"
+            if name and isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name == name:
+                for inner in ast.walk(node):
+                    if isinstance(inner, ast.Attribute) and inner.attr in methods and not (
+                            isinstance(inner.value, ast.Name) and inner.value.id == "self"):
+                        return (f"calls minirt's own implementation ({_unparse(inner)} is {shown}): "
+                                "not a solution")
+    return None
+
+
+def _unparse(node: ast.AST) -> str:
+    try:
+        return ast.unparse(node)
+    except Exception:  # noqa: BLE001
+        return "?"
+
+
+def judge_identity(info: dict | None, task: str) -> str | None:
+    """A note when the worker's report says the object is, subclasses, or holds the reference."""
+    if not isinstance(info, dict):
+        return None
+    shown = ", ".join(n.replace(":", ".") for n in REFERENCE_NAMES.get(task, ()))
+    qualified = {n.replace(":", ".") for n in REFERENCE_NAMES.get(task, ())}
+    own = f"{info.get('module')}.{info.get('qualname')}"
+    if info.get("is_reference") or own in qualified:
+        return f"hands in minirt's own implementation ({shown}): not a solution"
+    mro = info.get("mro") or []
+    if isinstance(mro, list) and any(m in qualified for m in mro[1:]):
+        return f"subclasses minirt's own implementation ({shown}): not a solution"
+    uses = info.get("uses") or []
+    if uses:
+        return f"calls minirt's own implementation ({shown}, through {str(uses[0])[:60]!r}): not a solution"
+    return None
