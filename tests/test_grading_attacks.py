@@ -65,7 +65,8 @@ def _write(tmp: Path, name: str, source: str | None = None, task: str = "ex03.sl
 
 
 def _attacks(tmp: Path, port: int, tag: str) -> dict[str, tuple[str, tuple, str | None]]:
-    """name -> (cell source or editor, expected scores, words of the note on the attacked task)."""
+    """name -> (cell source or editor, expected scores, words of the note on the attacked task, or a tuple of
+    words any one of which will do)."""
     honest = tmp / "honest.ipynb"
     outside = [ROOT / "minirt" / "course" / f"pwned-{tag}", ROOT / f"pwned-{tag}", tmp / f"pwned-{tag}",
                Path(tempfile.gettempdir()) / f"pwned-{tag}"]
@@ -109,7 +110,7 @@ def _attacks(tmp: Path, port: int, tag: str) -> dict[str, tuple[str, tuple, str 
             (1, 2, 0), "timed out"),
         "allocate_forever": (
             "def _hog():\n    x = []\n    while True:\n        x.append(bytearray(64 * 2**20))\n\n_hog()\n" + RIGHT,
-            (0, 2, 2), "MemoryError"),
+            (0, 2, 2), ("MemoryError", "timed out")),    # stopped by the memory limit, or by the clock first
         "print_forever": ("while True:\n    print('spam ' * 200)\n" + RIGHT, (0, 2, 2), "timed out"),
         "kill_kernel": ("import os\nos._exit(3)\n", (1, 0, 0), "kernel died"),
         "edit_check_cell": (
@@ -180,7 +181,7 @@ def test_attacks_score_zero_on_their_task_and_leave_nothing_behind(tmp_path, cap
     for name, (_, expected, words) in attacks.items():
         r = rows[name]
         got = tuple(int(float(r[t])) for t in TASKS)
-        if got != expected or words not in r["notes"]:
+        if got != expected or not any(w in r["notes"] for w in ((words,) if isinstance(words, str) else words)):
             wrong[name] = (got, r["notes"][:300])
     assert wrong == {}, wrong
     for p in [ROOT / "minirt" / "course" / f"pwned-{tag}", ROOT / f"pwned-{tag}", tmp_path / f"pwned-{tag}",

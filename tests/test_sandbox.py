@@ -41,12 +41,14 @@ def test_bwrap_runs_here():
 
 @needs_bwrap
 def test_bwrap_hides_the_checkout_and_only_tmp_is_writable(tmp_path):
+    """No file of the checkout is visible (a venv inside it is bound alone, so its parent folders exist, empty)."""
     other = tmp_path / "other_submission.ipynb"
     other.write_text("secret")
     code = f"""
 import json, os, minirt
-seen = {{p: os.path.exists(p) for p in [{str(ROOT / 'solutions')!r}, {str(ROOT)!r}, {str(other)!r},
-                                       {str(tmp_path)!r}, "/work/main", "/home"]}}
+seen = {{p: os.path.exists(p) for p in [{str(ROOT / 'solutions')!r}, {str(ROOT / 'README.md')!r},
+                                       {str(ROOT / 'minirt')!r}, {str(ROOT / '.git')!r}, {str(other)!r},
+                                       {str(tmp_path)!r}, "/work/main/README.md", "/home"]}}
 writes = {{}}
 for p in [os.path.join(os.path.dirname(minirt.__file__), "x"), "/usr/x", "/etc/x", "/opt/x", "/tmp/x"]:
     try:

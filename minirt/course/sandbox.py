@@ -137,6 +137,9 @@ def bwrap_command(argv: list[str], folder: Path, uid: int) -> list[str]:
             cmd += ["--symlink", target, f"/{link}"]
         elif os.path.isdir(f"/{link}"):
             cmd += ["--ro-bind", f"/{link}", f"/{link}"]
+    # The submission's folder first, as /tmp: the Python dirs bound after it stay visible even where they live
+    # under /tmp (a venv in a checkout there).
+    cmd += ["--bind", str(folder), "/tmp"]
     binds = [(d, d) for d in _python_dirs()] + [(str(_package_dir()), f"{SANDBOX_LIB}/minirt")]
     made: set[str] = {"/usr", "/etc"}
     for _, dest in binds:
@@ -146,7 +149,7 @@ def bwrap_command(argv: list[str], folder: Path, uid: int) -> list[str]:
                 cmd += ["--perms", "0755", "--dir", parent]
     for src, dest in binds:
         cmd += ["--ro-bind", src, dest]
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--bind", str(folder), "/tmp", "--chdir", "/tmp",
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--chdir", "/tmp",
             "--", shutil.which("setpriv") or "/usr/bin/setpriv", "--reuid", str(uid), "--regid", str(uid),
             "--clear-groups", "--inh-caps=-all", "--", *argv]
     return cmd
