@@ -13,7 +13,6 @@ import csv
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -98,7 +97,7 @@ def _attacks(tmp: Path, port: int, tag: str) -> dict[str, tuple[str, tuple, str 
             "_ok = []\n"
             f"for _p in {[str(p) for p in outside]!r}:\n"
             "    try:\n        open(_p, 'w').write('x')\n        _ok.append(_p)\n    except OSError:\n        pass\n"
-            + _if(f"any(not p.startswith('/tmp/pwned') for p in _ok)"), (0, 2, 2), "failed on case"),
+            + _if("any(not p.startswith('/tmp/pwned') for p in _ok)"), (0, 2, 2), "failed on case"),
         "tcp_connect": (
             "import socket\ntry:\n"
             f"    socket.create_connection(('127.0.0.1', {port}), timeout=3).close()\n    _up = True\n"

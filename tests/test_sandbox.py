@@ -7,7 +7,6 @@ import json
 import os
 import socket
 import sys
-import threading
 from pathlib import Path
 
 import pytest

@@ -260,7 +260,6 @@ class Connection:
     def recv(self, deadline: float) -> dict | None:
         """The next message; None when the worker is gone, stops talking by `deadline`, or breaks the protocol
         (`self.broken` says which)."""
-        import json
 
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
@@ -358,7 +357,6 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
                    cell_timeout: float = DEFAULT_CELL_TIMEOUT, wall_timeout: float = DEFAULT_WALL_TIMEOUT,
                    limits=None, output_limit: int = OUTPUT_LIMIT) -> RunResult:
     """Run one submission in a sandboxed worker and score its tasks in this process."""
-    import json
 
     from minirt.course import provenance
     from minirt.course.sandbox import Limits, Worker
