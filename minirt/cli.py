@@ -1,5 +1,6 @@
 """Command line: `python -m minirt demo` runs the asyncio engine on a batch of corpus prompts;
-`python -m minirt generate "PROMPT"` streams one completion."""
+`python -m minirt generate "PROMPT"` streams one completion; `python -m minirt exercise start ex03` copies an
+exercise into a work folder; `grade` and `bench` as their modules say."""
 
 from __future__ import annotations
 
@@ -105,13 +106,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt")
     _engine_args(gen)
     from minirt import bench
-    from minirt.course import grading
+    from minirt.course import grading, work
 
     grading.add_parser(sub)
     bench.add_parser(sub)
+    work.add_parser(sub)
     args = parser.parse_args(argv)
     if args.command == "grade":
         return grading.run(args)
+    if args.command == "exercise":
+        return work.run(args)
     if args.command == "bench":
         return bench.run(args)
     try:

@@ -33,3 +33,39 @@ def test_cli_help():
 def test_cli_bad_command_fails():
     proc = _run("no-such-command", timeout=120)
     assert proc.returncode != 0
+
+
+def test_exercise_start_copies_the_exercise_into_a_work_folder_and_never_overwrites_it(tmp_path):
+    """`python -m minirt exercise start ex03 --dir D`: D/ex03_*.ipynb equal to exercises/' copy; a second start keeps
+    the student's edits (exit 2, naming the file) unless --force; an unknown exercise names the ones there are."""
+    from pathlib import Path
+
+    exercises = Path(__file__).resolve().parent.parent / "exercises"
+    original = next(exercises.glob("ex03_*.ipynb"))
+    work = tmp_path / "my-work"
+    proc = _run("exercise", "start", "ex03", "--dir", str(work), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    copy = work / original.name
+    assert copy.read_bytes() == original.read_bytes() and str(copy) in proc.stdout
+    copy.write_text("my edits")
+    proc = _run("exercise", "start", "3", "--dir", str(work), timeout=120)
+    assert proc.returncode == 2 and f"{copy} exists already" in proc.stderr
+    assert copy.read_text() == "my edits"
+    assert _run("exercise", "start", "ex03", "--dir", str(work), "--force", timeout=120).returncode == 0
+    assert copy.read_bytes() == original.read_bytes()
+    proc = _run("exercise", "start", "ex99", "--dir", str(work), timeout=120)
+    assert proc.returncode == 2 and "no exercise 'ex99'" in proc.stderr and "ex01_naive_loop" in proc.stderr
+
+
+def test_the_default_work_folder_and_venv_are_ignored_by_git():
+    """Work copies in `work/` and a `.venv` made as the README says never show up as changes to the checkout."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    if not (root / ".git").exists():
+        import pytest
+
+        pytest.skip("not a git checkout")
+    proc = subprocess.run(["git", "-C", str(root), "check-ignore", "work/ex03_paged_blocks.ipynb", ".venv/bin/python"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["work/ex03_paged_blocks.ipynb", ".venv/bin/python"], proc.stdout
