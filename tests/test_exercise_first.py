@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from minirt.course import activities
 from minirt.course.checks import REFERENCE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -91,7 +92,9 @@ def _output_texts(cell) -> list[tuple[str, str]]:
 
 
 def _shows(lines: set[str], text: str) -> bool:
-    present = {line.strip() for line in text.splitlines()} & lines
+    shown = {line.strip() for line in text.splitlines()}
+    shown |= {re.sub(r"^\d+\s+", "", line) for line in shown}     # a listing's line numbers
+    present = shown & lines
     return len(present) >= min(MIN_LINES, len(lines))
 
 
@@ -161,6 +164,10 @@ def test_the_rule_catches_a_printed_answer(tmp_path):
         "text/html": f'<details data-minirt-reveal="ex01"><pre>{html.escape(listing)}</pre></details>'}}]
     nb.write_text(json.dumps({"cells": cells}))
     assert violations(nb) == []
+    numbered = activities.source_ref("minirt.generate.naive.naive_generate").listing_html()
+    cells[1]["outputs"][0]["data"]["text/html"] = numbered          # a treasure hunt's numbered listing
+    nb.write_text(json.dumps({"cells": cells}))
+    assert any("unfolded" in v for v in violations(nb))
 
 
 def _exercises_by_chapter() -> dict[int, str]:
