@@ -404,3 +404,36 @@ def test_wrong_exception_type_and_unexpected_exception_are_reported():
     with pytest.raises(CheckFailed, match="expected: ValueError to be raised"):
         checks.ex01_naive_generate(no_validation)
     assert left_pad  # the reference itself is untouched
+
+
+def _run_in_ipython(code: str) -> tuple[bool, str]:
+    """Run `code` in an IPython shell as a notebook cell; (succeeded, what the shell printed)."""
+    import contextlib
+    import io
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        result = shell.run_cell(code, store_history=False)
+    return result.success, out.getvalue()
+
+
+def test_a_failing_check_shows_its_message_without_the_checkers_traceback():
+    """In Jupyter a failing check shows the case, inputs, expected and got, and no frame of checks.py; the
+    cell still fails (nbval and nbclient see an error). A function that raises shows its own frames."""
+    ok, shown = _run_in_ipython("from minirt.course import checks\n"
+                                "def slot_mapping(t, s, e, B):\n    return []\n"
+                                "checks.ex03_slot_mapping(slot_mapping)\n")
+    assert not ok
+    assert "ex03.slot_mapping failed on case 2/14 'one token'" in shown and "inputs:" in shown, shown
+    assert "checks.py" not in shown and "Traceback" not in shown, shown
+    assert len(shown.strip().splitlines()) <= 6, shown
+
+    ok, shown = _run_in_ipython("def helper(t):\n    return t[99]\n"
+                                "def slot_mapping(t, s, e, B):\n    return helper(t)\n"
+                                "checks.ex03_slot_mapping(slot_mapping)\n")
+    assert not ok
+    assert "your function raised IndexError" in shown and "in helper" in shown and "return t[99]" in shown, shown
+    assert "checks.py" not in shown, shown

@@ -37,7 +37,30 @@ TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-7, 1e-7),
 
 
 class CheckFailed(AssertionError):
-    """A graded task's function disagrees with the reference (or is not implemented yet)."""
+    """A graded task's function disagrees with the reference (or is not implemented yet).
+
+    In IPython (Jupyter, nbval, nbclient) it shows as its message alone, without the traceback through this
+    module (`_render_traceback_`, IPython's hook for exceptions that render themselves); the cell still fails.
+    When the student's function raised where the reference returned, the frames of the student's own code
+    (and of whatever it called) follow, the checker's frames left out.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"\x1b[0;31mCheckFailed\x1b[0m: {self}"]
+        cause = self.__cause__
+        if cause is not None and cause.__traceback__ is not None:
+            import traceback
+
+            frames = [f for f in traceback.extract_tb(cause.__traceback__)
+                      if f.filename not in _CHECKER_FILES]
+            if frames:
+                lines += ["", "Your function raised it here:",
+                          *"".join(traceback.format_list(frames)).rstrip("\n").split("\n"),
+                          *traceback.format_exception_only(type(cause), cause)[-1:]]
+        return [line.rstrip("\n") for line in lines]
+
+
+_CHECKER_FILES = {__file__, contextlib.__file__}
 
 
 def device() -> torch.device:
