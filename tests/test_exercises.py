@@ -121,6 +121,32 @@ def test_generator_check_mode_names_the_stale_file(tmp_path):
     assert mk.main(["--exercises", str(out), "--check"]) == 1
 
 
+def test_instructor_files_are_never_exercises_nor_handed_out(tmp_path):
+    """solutions/README.md (the instructor's guide) and solutions/answers/ (the chapters' answers) beside the
+    solution notebooks: the generator writes only exNN notebooks, the grader reads only those, and
+    `exercise start` copies one exercise notebook and nothing else."""
+    import shutil
+
+    from minirt.course import grading, work
+
+    mk = _load_make_exercises()
+    sol, out, dest = tmp_path / "solutions", tmp_path / "exercises", tmp_path / "work"
+    (sol / "answers").mkdir(parents=True)
+    shutil.copy(SOLUTIONS[0], sol / SOLUTIONS[0].name)
+    (sol / "README.md").write_text("# Instructor's guide\n")
+    (sol / "answers" / "ch01.md").write_text("# Answers\n")
+    (sol / "answers" / "ex99_answers.ipynb").write_text("{}")        # not at the top level: never read
+    assert mk.main(["--solutions", str(sol), "--exercises", str(out)]) == 0
+    assert sorted(p.name for p in out.rglob("*")) == [SOLUTIONS[0].name]
+    assert list(grading.load_specs(sol)) == [SOLUTIONS[0].name[:4]]
+    copy = work.start(SOLUTIONS[0].name[:4], dest, out)
+    assert sorted(p.name for p in dest.rglob("*")) == [copy.name] == [SOLUTIONS[0].name]
+    for name in ("README", "answers", "ch01"):
+        with pytest.raises(ValueError, match="no exercise"):
+            work.start(name, dest, out)
+    assert (ROOT / "solutions" / "README.md").is_file(), "the instructor's guide is missing"
+
+
 # ---------------------------------------------------------------------------------------- the checkers
 
 REFERENCES = {
