@@ -463,3 +463,23 @@ def test_a_failing_check_shows_its_message_without_the_checkers_traceback():
     assert not ok
     assert "your function raised IndexError" in shown and "in helper" in shown and "return t[99]" in shown, shown
     assert "checks.py" not in shown, shown
+
+
+def test_check_messages_name_the_task_heading_the_student_sees():
+    """A failing check says "the check cell of Task k" (nbval's "Cell N" counts code cells from 0, which a
+    student cannot find): true only if each check cell sits under its exercise's "## Task k" heading."""
+    import re
+
+    import nbformat
+
+    for path in SOLUTIONS:
+        heading = None
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "markdown":
+                found = re.findall(r"^## Task (\d+)", cell.source, re.M)
+                heading = int(found[-1]) if found else heading
+            elif "task" in cell.metadata.get("minirt", {}):
+                task = cell.metadata["minirt"]["task"]
+                assert heading == checks.task_number(task), (path.name, task, heading)
+    with pytest.raises(CheckFailed, match=r"failed on case 2/14 'one token' \(the check cell of Task 1\)"):
+        checks.ex03_slot_mapping(lambda t, s, e, B: [])

@@ -237,8 +237,20 @@ def reference_outcome(spec: Spec, case: Case) -> tuple[str, Any]:
     return kind, value
 
 
+def task_number(task_id: str) -> int | None:
+    """k of the exercise's "## Task k" heading: the task's place among its exercise's tasks in `TASKS`."""
+    same = [t for t in TASKS if t.split(".")[0] == task_id.split(".")[0]]
+    return same.index(task_id) + 1 if task_id in same else None
+
+
+def _where(task_id: str) -> str:
+    """Where the student finds the check (nbval's "Cell N" counts code cells only, from 0)."""
+    k = task_number(task_id) if "TASKS" in globals() else None
+    return f" (the check cell of Task {k})" if k else ""
+
+
 def not_implemented_message(task_id: str) -> str:
-    return (f"{task_id}: task not implemented yet - your function raised NotImplementedError. "
+    return (f"{task_id}{_where(task_id)}: task not implemented yet - your function raised NotImplementedError. "
             "Replace the `raise NotImplementedError(...)` line with your solution and run this cell again.")
 
 
@@ -249,7 +261,7 @@ def compare(task_id: str, i: int, case: Case, n: int, expected: tuple[str, Any],
     notebook and by the grader, which receives the student's outcome from its worker as data."""
     kind_e, value_e = expected
     kind_g, value_g = got
-    head = f"{task_id} failed on case {i}/{n} '{case.name}'\n  inputs:   {case.show}\n"
+    head = f"{task_id} failed on case {i}/{n} '{case.name}'{_where(task_id)}\n  inputs:   {case.show}\n"
     tail = f"\n  your function printed: {_short(printed)}" if printed else ""
     if kind_e == "raised":
         if kind_g == "raised" and _raised_like(value_g, value_e):
