@@ -118,6 +118,7 @@ def section_link_flow(ctx, box, section: str) -> None:
     from urllib.parse import unquote
     heading_id = unquote(heading_id)
     before = page.evaluate(JS_HEADING_VISIBLE, heading_id)
+    url_before = page.url
     link.click()
     try:
         bc.wait_for(lambda: (page.evaluate(JS_HEADING_VISIBLE, heading_id) or {}).get("visible"), 10,
@@ -129,7 +130,8 @@ def section_link_flow(ctx, box, section: str) -> None:
     ctx.shot("07a_section_link_clicked.png")
     report.check(bool(after and after["visible"]), "section link scrolls to the heading",
                  f"{section!r}: before the click {'visible' if before and before['visible'] else 'not in view'}, "
-                 f"after: {after}")
+                 f"after: {after}; " + ("the page's URL unchanged (the link's own scroll ran)" if page.url == url_before
+                                        else f"the URL changed to ...{page.url[-40:]} (the href was followed)"))
 
 
 def flow_quiz(ctx) -> None:
