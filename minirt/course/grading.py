@@ -420,7 +420,7 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
                     index = msg.get("index")
                     place = plan["cells"][index].get("where", "") if isinstance(index, int) and \
                         0 <= index < len(plan["cells"]) else ""
-                    cell_error = f"{place}: {msg['error']}" if place else msg["error"]
+                    cell_error = (place, str(msg["error"]))
                 continue
             if event != "task":
                 continue
@@ -432,7 +432,8 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
             if task in notes:                                   # edited, or minirt's own: no cases run
                 pass
             elif msg.get("error"):
-                why = "timeout" if msg["error"] == "timeout" else str(cell_error or "")
+                place, error = cell_error or ("", "")
+                why = "timeout" if "timeout" in (msg["error"], error) else (f"{place}: {error}" if place else error)
                 notes[task] = (f"timed out (a cell ran over {cell_timeout:g} s)" if why == "timeout" else
                                f"the task's function could not be taken: {str(msg['error'])[:150]}"
                                + (f" (a cell before failed: {why[:200]})" if why else ""))
