@@ -40,7 +40,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from minirt.attention import CUDA_SDPA_BACKENDS
-from minirt.config import EngineConfig
+from minirt.config import ATTENTION_BACKENDS, EngineConfig
 from minirt.fast import resolve_plan
 
 # Qwen3-0.6B's configuration (Qwen/Qwen3-0.6B config.json), built with random weights: no download needed.
@@ -246,7 +246,7 @@ def environment(device: torch.device) -> tuple[dict, dict]:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                 "transformers": transformers.__version__, "minirt": minirt.__version__}
-    for package in ("triton", "flash-attn"):
+    for package in ("triton", "flash-attn", "flash-attn-4"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -417,8 +417,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated hf_generate,hf_generate_batch (default: both on cuda, hf_generate on cpu)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
-                   help="minirt's attention kernel (EngineConfig.attention_backend)")
+    p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto",
+                   help="the attention kernel (EngineConfig.attention_backend; flash_attn: the flash-attn package)")
     p.add_argument("--no-split-kv", action="store_true", help="minirt's Triton kernel without split-KV decode")
     p.add_argument("--enforce-eager", action="store_true", help="minirt without CUDA graphs")
     p.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
