@@ -42,6 +42,7 @@ from torch.nn.attention import sdpa_kernel
 from minirt.attention import CUDA_SDPA_BACKENDS
 from minirt.config import ATTENTION_BACKENDS, EngineConfig
 from minirt.fast import resolve_plan
+from minirt.fast.flash_attn import FlashAttnPagedAttention
 
 # Qwen3-0.6B's configuration (Qwen/Qwen3-0.6B config.json), built with random weights: no download needed.
 QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -287,6 +288,8 @@ def kernel_name(runner) -> str:
     kernel = getattr(runner, "kernel", None)
     if kernel is None:
         return "paged_attention_reference"
+    if isinstance(kernel, FlashAttnPagedAttention):
+        return f"flash_attn ({kernel.name})"
     if not hasattr(kernel, "func"):
         return kernel.__name__
     return f"{kernel.func.__name__}{ {k: v for k, v in kernel.keywords.items() if k != 'split_counters'} }"
