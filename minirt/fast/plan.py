@@ -145,10 +145,11 @@ def _graph_kernel(r: _Resolution) -> list[str]:
 
 RULES: tuple[Rule, ...] = (
     # attention_backend is one field and two rows: "flash_attn" (minirt.fast.flash_attn), then "triton".
-    # auto keeps minirt's Triton kernel: it was faster than flash-attn-4's in every decode shape and most
-    # prefill shapes measured (benchmarks/README.md, "flash-attn").
+    # auto keeps minirt's Triton kernel: with split-KV it decodes faster than flash-attn-4, which has no split-KV
+    # on Hopper; flash-attn-4 is faster on prefill chunks of 256 tokens and more, a per-phase choice not built yet
+    # (benchmarks/README.md, "flash-attn against minirt's kernel").
     Rule("flash_attn", "'flash_attn'", lambda r: list(r.hw.flash_attn), lambda r: False,
-         "never (minirt's kernel was faster where measured)", field="attention_backend",
+         "never (asked for by name only)", field="attention_backend",
          label="attention_backend='flash_attn'", asked=lambda v: True if v == "flash_attn" else False),
     Rule("attention_backend", "'triton'", lambda r: [*r.hw.triton, *r.hw.head_dim], lambda r: True,
          "where the Triton kernel can run", label="attention_backend='triton'",
