@@ -148,6 +148,16 @@ def test_stop_seed_and_top_k_as_llm_generate(server, default_llm):
     w = default_llm.generate("ROMEO:", _params(max_new_tokens=24, stop=stop))[0]
     r = server.client.completions.create(model=server.model, prompt="ROMEO:", max_tokens=24, temperature=0, stop=[stop])
     assert r.choices[0].text == w.text and stop not in r.choices[0].text and r.choices[0].finish_reason == "stop"
+    # streamed: the stop string is cut from the end, so the last delta may carry no text, only the reason
+    chunks = list(server.client.completions.create(model=server.model, prompt="ROMEO:", max_tokens=24,
+                                                   temperature=0, stop=[stop], stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == w.text and chunks[-1].choices[0].finish_reason == "stop"
+    for text_stop in [greedy[k:k + 3] for k in range(0, 12, 3)]:
+        want = default_llm.generate("ROMEO:", _params(max_new_tokens=24, stop=text_stop))[0]
+        chunks = list(server.client.completions.create(model=server.model, prompt="ROMEO:", max_tokens=24,
+                                                       temperature=0, stop=text_stop, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == want.text
+        assert chunks[-1].choices[0].finish_reason == want.finish_reason
     sampled = _params(max_new_tokens=24, temperature=0.9, top_k=20, seed=7)
     w = default_llm.generate("ROMEO:", sampled)[0]
     for _ in range(2):         # the seed makes it reproducible, and equal to LLM.generate's

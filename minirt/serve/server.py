@@ -66,6 +66,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="requests that may wait for admission; beyond, 429 with Retry-After (default 256)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice; 1 is fastest for small models on a shared CPU)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_settings(p)
     return p
@@ -143,6 +145,13 @@ def run(args) -> int:
     if args.max_waiting < 1:
         print(f"error: --max-waiting: must be >= 1, got {args.max_waiting}", file=sys.stderr)
         return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"error: --threads: must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         engine = Engine(args.model, **engine_settings(args))
     except ValueError as e:
