@@ -301,6 +301,25 @@ def show_source(name: str, marker: str | None = None, end_marker: str | None = N
     return HTML(f"<div>{ref._repr_html_()}</div>{ref.listing_html()}")
 
 
+def reveal_source(name: str, exercise: str, marker: str | None = None, end_marker: str | None = None):
+    """Like `show_source`, folded: minirt's version of what exercise `exercise` asks for ("ex03").
+
+    A chapter shows the source of a function an exercise asks for only this way, and only after the
+    cell that introduces the exercise (`tests/test_exercise_first.py` holds every chapter to it). The
+    listing sits in a closed `<details>` whose summary says to open it after passing; the
+    `data-minirt-reveal` attribute names the exercise, for the test.
+    """
+    from IPython.display import HTML
+
+    if not re.fullmatch(r"ex\d\d", exercise):
+        raise ValueError(f"exercise: expected a name like 'ex03', got {exercise!r}")
+    ref = source_ref(name, marker, end_marker)
+    summary = (f"minirt's <code>{html.escape(ref.qualname)}</code>: the answer to exercise "
+               f"{exercise[2:]}, open it after you pass")
+    return HTML(f'<details data-minirt-reveal="{exercise}"><summary>{summary}</summary>'
+                f"<div>{ref._repr_html_()}</div>{ref.listing_html()}</details>")
+
+
 # ===================================================================================== text helpers
 
 
