@@ -300,6 +300,7 @@ def run(args) -> int:
         print("error: --num-requests, --output-len must be >= 1, --rates > 0, 1 <= MIN <= MAX", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    measured = commit()                 # before the run: the tree may change while it runs
     proc, server_args = None, list(args.server_arg)
     with tempfile.TemporaryDirectory() as tmp:
         model_info = {"path": args.model}
@@ -324,7 +325,7 @@ def run(args) -> int:
                 proc.terminate()
                 proc.wait(60)
     dev, versions = environment(torch.device(device))
-    report = {"commit": commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": dev,
+    report = {"commit": measured, "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": dev,
               "versions": versions, "server": {"url": args.url, "started": args.url is None, "args": server_args},
               "model": {**model_info, "served": report["model"]},
               "settings": {"rates": rates, "num_requests": num, "prompt_len": list(plen), "output_len": olen,
