@@ -202,7 +202,10 @@ def start_server(model: str, device: str | None, extra: list[str], timeout_s: fl
 
 
 def commit() -> str | None:
-    """The measured tree's commit (with "-dirty" when it has uncommitted changes), or None outside git."""
+    """The measured tree's commit (with "-dirty" when it has uncommitted changes), or None outside git.
+    `MINIRT_COMMIT` in the environment names it instead, for a copy of a commit outside its repository."""
+    if os.environ.get("MINIRT_COMMIT"):
+        return os.environ["MINIRT_COMMIT"]
     here = os.path.dirname(os.path.abspath(__file__))
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout
@@ -257,7 +260,7 @@ def plot(results: list[dict], title: str, path: str | None = None):
 
 #: (rates req/s, requests per rate, (shortest, longest prompt), output tokens, TTFT SLO s, TPOT SLO s)
 WORKLOADS = {"cpu": ([4, 8, 16, 32, 64], 48, (16, 64), 32, 0.25, 0.05),
-             "cuda": ([4, 16, 64, 256], 256, (100, 1024), 128, 0.2, 0.02)}
+             "cuda": ([8, 32, 128, 512], 128, (100, 1024), 128, 0.25, 0.025)}
 
 
 def _floats(text: str) -> list[float]:
