@@ -185,12 +185,14 @@ def start_server(model: str, device: str | None, extra: list[str], timeout_s: fl
     port = free_port()
     cmd = [sys.executable, "-m", "minirt", "serve", "--model", model, "--port", str(port), "--log-level", "warning",
            *(["--device", device] if device else []), *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    log = tempfile.TemporaryFile("w+")         # not a pipe: a server that logs much would block on a full one
+    proc = subprocess.Popen(cmd, stderr=log, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
+            log.seek(0)
+            raise RuntimeError(f"the server exited with {proc.returncode}: {log.read()[-2000:]}")
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:
                 return proc, url
