@@ -203,6 +203,18 @@ def start_server(model: str, device: str | None, extra: list[str], timeout_s: fl
     raise RuntimeError(f"the server did not answer /health within {timeout_s} s")
 
 
+def save_id_tokenizer(path: str, vocab_size: int) -> str:
+    """Give a checkpoint without a tokenizer (random weights) one that `transformers` loads: token `i` is the word
+    `t{i}`, words decode separated by spaces. The server answers text, so it needs one; no download is needed."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(path)
+    return path
+
+
 def commit() -> str | None:
     """The measured tree's commit (with "-dirty" when it has uncommitted changes), or None outside git.
     `MINIRT_COMMIT` in the environment names it instead, for a copy of a commit outside its repository."""
@@ -313,8 +325,10 @@ def run(args) -> int:
             if args.url is None:
                 model = args.model
                 if model is None and device == "cuda":
-                    model = build_random_qwen3(tmp, torch.device("cuda"), args.seed)
-                    model_info = {"name": "Qwen3-0.6B configuration, random weights", "config": QWEN3_0_6B}
+                    model = save_id_tokenizer(build_random_qwen3(tmp, torch.device("cuda"), args.seed),
+                                              QWEN3_0_6B["vocab_size"])
+                    model_info = {"name": "Qwen3-0.6B configuration, random weights", "config": QWEN3_0_6B,
+                                  "tokenizer": "word-level, token i = 't{i}' (save_id_tokenizer)"}
                 model = model or DEFAULT_MODEL
                 model_info.setdefault("path", model)
                 # one intra-op thread on a CPU: the client shares the cores, and torch's spinning threads then

@@ -160,6 +160,10 @@ def run(args) -> int:
     except Exception as e:            # noqa: BLE001 - whatever stops the load, say it and exit non-zero
         print(f"error: cannot load the model {args.model!r}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
+    if engine.tokenizer is None:
+        print(f"error: cannot serve the model {args.model!r}: it has no tokenizer, and the OpenAI API answers text",
+              file=sys.stderr)
+        return 1
     print(f"minirt serve: {args.model} on {engine.device} ({engine.model.dtype}), {engine.pool.num_blocks} KV blocks "
           f"of {engine.config.block_size}, max_model_len {engine.config.max_model_len}", file=sys.stderr, flush=True)
     try:
