@@ -157,24 +157,20 @@ def build_app(engine, model_name: str | None = None, model_path: str | None = No
         tokenizer = engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise RequestError("messages", "messages: this model has no chat template; use /v1/completions")
-        prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                               add_generation_prompt=True)
+        try:
+            prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
+                                                   add_generation_prompt=True)
+        except Exception as e:      # noqa: BLE001 - a template may refuse a conversation (roles out of order, ...)
+            raise RequestError("messages", f"messages: the model's chat template refused them ({e})") from None
         return await _serve(state, raw, body, prompt, chat=True)
 
     return app
 
 
-def _check_model(state: ServerState, body) -> None:
-    if body.model is not None and body.model not in (state.model_name, state.model_path):
-        raise LookupError(body.model)
-
-
 async def _serve(state: ServerState, raw: Request, body, prompt, chat: bool):
     """Validate, admit, submit; answer with JSON or with an SSE stream."""
     engine = state.engine
-    try:
-        _check_model(state, body)
-    except LookupError:
+    if body.model is not None and body.model not in (state.model_name, state.model_path):
         return error_response(404, f"model: {body.model!r} does not exist; this server serves {state.model_name!r}",
                               "model", code="model_not_found")
     try:
@@ -241,8 +237,8 @@ async def _close_stream(state: ServerState, request, observed: list) -> None:
 
 
 async def _events(state: ServerState, request, head: dict, chat: bool, include_usage: bool, observed: list):
-    """The SSE `data:` payloads of one streamed request: its chunks as JSON, then "[DONE]". If the client goes
-    away, sse-starlette cancels this generator and the response's background task aborts the request."""
+    """The SSE `data:` payloads of one streamed request: its chunks as JSON, then "[DONE]" (sse-starlette frames
+    them). A client that goes away is handled around it: `on_disconnect` aborts the request, which ends it."""
     first = True
     while True:
         delta = await request.stream.get()
