@@ -273,7 +273,7 @@ def plot(results: list[dict], title: str, path: str | None = None):
 # ============================================================================ command line
 
 #: (rates req/s, requests per rate, (shortest, longest prompt), output tokens, TTFT SLO s, TPOT SLO s)
-WORKLOADS = {"cpu": ([4, 8, 16, 32, 64], 48, (16, 64), 32, 0.25, 0.05),
+WORKLOADS = {"cpu": ([4, 16, 64, 128, 256], 48, (16, 64), 32, 0.25, 0.05),
              "cuda": ([8, 32, 128, 512], 128, (100, 1024), 128, 0.25, 0.025)}
 
 
