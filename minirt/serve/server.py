@@ -45,7 +45,8 @@ def add_engine_settings(p: argparse.ArgumentParser) -> None:
         parse = (_auto_bool if kind == "bool | None" else _bool if kind == "bool" else
                  _int_or_none if kind == "int | None" else int if kind == "int" else str)
         group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse, default=argparse.SUPPRESS,
-                           metavar=kind.replace(" | ", "|").upper(), help=f"default {f.default!r}")
+                           metavar="NAME" if kind == "object" else kind.replace(" | ", "|").upper(),
+                           help=f"default {f.default!r}")
 
 
 def engine_settings(args) -> dict:
