@@ -35,8 +35,23 @@ def test_cli_bad_command_fails():
     assert proc.returncode != 0
 
 
+def _assert_work_copy_of(copy, original):
+    """Every cell as in the original but the first, which says it is the copy and links the chapter from there."""
+    import json
+    import re
+
+    mine, theirs = (json.loads(p.read_text(encoding="utf-8")) for p in (copy, original))
+    assert mine["cells"][1:] == theirs["cells"][1:] and mine["metadata"] == theirs["metadata"]
+    first = "".join(mine["cells"][0]["source"])
+    assert "This is your work copy" in first and "Work on a copy" not in first
+    link = re.search(r"\]\(([^)]*chapters/ch03_[^)]+\.ipynb)\)", first)
+    assert link and (copy.parent / link.group(1)).resolve() == \
+        (original.parent.parent / "chapters" / link.group(1).rsplit("/", 1)[1]).resolve(), first
+
+
 def test_exercise_start_copies_the_exercise_into_a_work_folder_and_never_overwrites_it(tmp_path):
-    """`python -m minirt exercise start ex03 --dir D`: D/ex03_*.ipynb equal to exercises/' copy; a second start keeps
+    """`python -m minirt exercise start ex03 --dir D`: D/ex03_*.ipynb is exercises/' copy (its first cell
+    says so and links the chapter from D); a second start keeps
     the student's edits (exit 2, naming the file) unless --force; an unknown exercise names the ones there are."""
     from pathlib import Path
 
@@ -46,13 +61,14 @@ def test_exercise_start_copies_the_exercise_into_a_work_folder_and_never_overwri
     proc = _run("exercise", "start", "ex03", "--dir", str(work), timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     copy = work / original.name
-    assert copy.read_bytes() == original.read_bytes() and str(copy) in proc.stdout
+    assert str(copy) in proc.stdout
+    _assert_work_copy_of(copy, original)
     copy.write_text("my edits")
     proc = _run("exercise", "start", "3", "--dir", str(work), timeout=120)
     assert proc.returncode == 2 and f"{copy} exists already" in proc.stderr
     assert copy.read_text() == "my edits"
     assert _run("exercise", "start", "ex03", "--dir", str(work), "--force", timeout=120).returncode == 0
-    assert copy.read_bytes() == original.read_bytes()
+    _assert_work_copy_of(copy, original)
     proc = _run("exercise", "start", "ex99", "--dir", str(work), timeout=120)
     assert proc.returncode == 2 and "no exercise 'ex99'" in proc.stderr and "ex01_naive_loop" in proc.stderr
 

@@ -103,9 +103,12 @@ def _number(path: Path) -> int:
 
 
 def _intro_index(cells, exercise: str) -> int | None:
+    """The cell that introduces the exercise: markdown linking its notebook and giving the command that
+    makes the student's work copy (a passing mention elsewhere does not count)."""
     link = re.compile(rf"\(\.\./exercises/{exercise}_\w+\.ipynb\)")
-    return next((i for i, c in enumerate(cells)
-                 if c["cell_type"] == "markdown" and link.search("".join(c["source"]))), None)
+    start = f"python -m minirt exercise start {exercise}"
+    return next((i for i, c in enumerate(cells) if c["cell_type"] == "markdown"
+                 and link.search("".join(c["source"])) and start in "".join(c["source"])), None)
 
 
 def violations(path: Path) -> list[str]:
@@ -153,7 +156,8 @@ def test_the_rule_catches_a_printed_answer(tmp_path):
     cells = [{"cell_type": "code", "source": "print(inspect.getsource(naive_generate))", "metadata": {},
               "outputs": [{"output_type": "stream", "name": "stdout", "text": listing}]},
              {"cell_type": "markdown", "metadata": {},
-              "source": "Now: [exercise 01](../exercises/ex01_naive_loop.ipynb)"}]
+              "source": "Now: [exercise 01](../exercises/ex01_naive_loop.ipynb), "
+                        "`python -m minirt exercise start ex01`"}]
     nb = tmp_path / "ch01_x.ipynb"
     nb.write_text(json.dumps({"cells": cells}))
     assert any("before the cell that links" in v for v in violations(nb))
@@ -180,7 +184,7 @@ def test_chapter_links_its_exercise(chapter):
     exercise = _exercises_by_chapter()[_number(chapter)]
     cells = json.loads(chapter.read_text(encoding="utf-8"))["cells"]
     assert _intro_index(cells, exercise) is not None, \
-        f"{chapter.name}: no markdown cell links ../exercises/{exercise}_*.ipynb"
+        f"{chapter.name}: no markdown cell links ../exercises/{exercise}_*.ipynb with its `exercise start` command"
 
 
 @pytest.mark.parametrize("solution", SOLUTIONS, ids=lambda p: p.stem)

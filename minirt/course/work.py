@@ -8,7 +8,9 @@ work copy as it is. The CLI pieces are `add_parser(subparsers)` and `run(args) -
 from __future__ import annotations
 
 import argparse
-import shutil
+import json
+import os
+import re
 import sys
 from pathlib import Path
 
@@ -39,8 +41,21 @@ def start(name: str, work_dir: Path, exercises_dir: Path | None = None, force: b
     target = work_dir / source.name
     if target.exists() and not force:
         raise FileExistsError(f"exercise: {target} exists already (your work); open it, or pass --force to start over")
-    shutil.copyfile(source, target)
+    nb = json.loads(source.read_text(encoding="utf-8"))
+    nb["cells"][0]["source"] = as_work_copy("".join(nb["cells"][0]["source"]), source, target).splitlines(True)
+    target.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
     return target
+
+
+def as_work_copy(text: str, source: Path, target: Path) -> str:
+    """The exercise's first cell as the copy should read it: its "Work on a copy" paragraph says this is the
+    copy, and its link to the chapter is relative to where the copy lives (any `--dir`)."""
+    chapters = source.parent.parent / "chapters"
+    rel = Path(os.path.relpath(chapters, target.parent.resolve())).as_posix()
+    text = re.sub(r"\]\(\.\./chapters/", f"]({rel}/", text)
+    return re.sub(r"\*\*Work on a copy\.\*\*.*?(?=\n\n|$)",
+                  f"**This is your work copy** of `exercises/{source.name}` (the original, which stays unchanged); "
+                  "solve the tasks here.", text, count=1, flags=re.S)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
