@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import random
-import subprocess
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minirt.attention import PagedAttentionMetadata, paged_attention_reference  # noqa: E402
-from minirt.bench import environment, write_report  # noqa: E402
+from minirt.bench import commit as source_commit, environment, write_report  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 16, 8, 128, 16
 DECODE = [(1, 818), (1, 4096), (32, 818), (64, 818), (256, 818), (256, 2048)]          # (batch, context)
@@ -114,7 +113,7 @@ def measure(kind: str, shape: tuple[int, int], kernels: dict, seed: int) -> dict
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="two decode and two prefill shapes")
-    ap.add_argument("--commit", default=None, help="the commit measured (default: git rev-parse HEAD)")
+    ap.add_argument("--commit", default=None, help="the commit measured (default: the checkout's, or MINIRT_COMMIT)")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -127,13 +126,7 @@ def main() -> int:
     if api_name is None:
         print(f"error: flash-attn is not importable ({module})", file=sys.stderr)
         return 2
-    commit = args.commit
-    if commit is None:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                    check=True).stdout.strip()
-        except (OSError, subprocess.CalledProcessError):
-            commit = None
+    commit = args.commit or source_commit()
     fa_default, fa_split = FlashAttnPagedAttention(api_name, module), FlashAttnPagedAttention(api_name, module, 0)
     kernels = {"minirt": (lambda m: m, lambda q, k, v, m: paged_attention_triton(q, k, v, m)),
                "minirt num_splits=1": (lambda m: m, lambda q, k, v, m: paged_attention_triton(q, k, v, m, num_splits=1)),

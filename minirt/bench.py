@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import random
+import subprocess
 import sys
 import tempfile
 import time
@@ -62,6 +63,21 @@ BASELINES = {"cuda": ("hf_generate", "hf_generate_batch"), "cpu": ("hf_generate"
 TARGETS = {"cuda": [("throughput", "tokens_per_s_vs_hf_generate_batch", 25.0), ("latency", "roofline_fraction", 0.6)],
            "cpu": [("throughput", "tokens_per_s_vs_hf_generate", 2.0)]}
 GUARD_PROMPTS, GUARD_TOKENS, WARMUP_REQUESTS, WARMUP_TOKENS = 4, 32, 8, 8
+
+
+def commit() -> str | None:
+    """The measured tree's commit (with "-dirty" when it has uncommitted changes), or None outside git.
+    `MINIRT_COMMIT` in the environment names it instead, for a copy of a commit outside its repository."""
+    if os.environ.get("MINIRT_COMMIT"):
+        return os.environ["MINIRT_COMMIT"]
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha.strip() + ("-dirty" if dirty else "")
 
 
 def sync(device: torch.device) -> None:
@@ -309,7 +325,8 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
     settings = {w: dict(zip(("num_requests", "prompt_len", "max_new_tokens"), WORKLOADS[device.type, quick][w]))
                 for w in workloads}
     dev, versions = environment(device)
-    report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    report = {"device": dev, "versions": versions, "commit": commit(),
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
               "settings": {"quick": quick, "seed": seed, "dtype": str(dtype).removeprefix("torch."),
                            "baselines": list(baselines), "workloads": settings, "engine": engine_kwargs or {}},
               "bandwidth": copy_bandwidth(device, 2**31 if device.type == "cuda" else 2**28)}

@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 
+from minirt.bench import commit
 from minirt.metrics import format_table, percentile
 
 
@@ -213,21 +214,6 @@ def save_id_tokenizer(path: str, vocab_size: int) -> str:
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0").save_pretrained(path)
     return path
-
-
-def commit() -> str | None:
-    """The measured tree's commit (with "-dirty" when it has uncommitted changes), or None outside git.
-    `MINIRT_COMMIT` in the environment names it instead, for a copy of a commit outside its repository."""
-    if os.environ.get("MINIRT_COMMIT"):
-        return os.environ["MINIRT_COMMIT"]
-    here = os.path.dirname(os.path.abspath(__file__))
-    try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                               capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return sha.strip() + ("-dirty" if dirty else "")
 
 
 # ============================================================================ report
