@@ -78,8 +78,9 @@ class Plan:
 class _Resolution:
     """The switches resolved so far, and why each one that is off is off."""
 
-    def __init__(self, hw: Hardware):
+    def __init__(self, hw: Hardware, tensor_parallel_size: int = 1):
         self.hw = hw
+        self.tensor_parallel_size = tensor_parallel_size
         self.on: dict[str, bool | int] = {}
         self.why_off: dict[str, str] = {}
 
@@ -126,6 +127,12 @@ def _graphs(r: _Resolution) -> bool:
     return bool(r.on["cuda_graphs"])
 
 
+def _one_process(r: _Resolution) -> list[str]:
+    """What a switch that the tensor-parallel runner (`minirt.parallel`) cannot run lacks under it."""
+    tp = r.tensor_parallel_size
+    return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks run no graphs, GEMVs or bursts)"]
+
+
 RULES: tuple[Rule, ...] = (
     Rule("attention_backend", "'triton'", lambda r: [*r.hw.triton, *r.hw.head_dim], lambda r: True,
          "where the Triton kernel can run", label="attention_backend='triton'",
@@ -133,13 +140,14 @@ RULES: tuple[Rule, ...] = (
     Rule("split_kv", "split-KV decode", lambda r: r.need("attention_backend"), lambda r: True,
          "with the Triton attention kernel", asked=lambda v: None if v else False),
     Rule("cuda_graphs", "CUDA graphs", lambda r: ([] if _cuda(r) else [f"a CUDA device (got {r.hw.device_type})"])
-         + r.need("attention_backend"), lambda r: True, "on CUDA with the Triton attention kernel",
+         + r.need("attention_backend") + _one_process(r), lambda r: True, "on CUDA with the Triton attention kernel",
          field="enforce_eager", label="CUDA graphs", asked=lambda v: False if v else None),
     Rule("fused_ops", "torch.compile-fused ops", lambda r: list(r.hw.triton) if _cuda(r) else [], _cuda,
          "on CUDA"),                                      # Inductor writes Triton kernels for CUDA tensors
     Rule("merge_projections", "merged projections", lambda r: [], _cuda, "on CUDA"),
-    Rule("gemv", "the Triton matrix-vector kernel", lambda r: list(r.hw.triton), _graphs, "with CUDA graphs"),
-    Rule("num_scheduler_steps", "multi-step decode", lambda r: [], lambda r: 8 if _graphs(r) else 1,
+    Rule("gemv", "the Triton matrix-vector kernel", lambda r: [*r.hw.triton, *_one_process(r)], _graphs,
+         "with CUDA graphs"),
+    Rule("num_scheduler_steps", "multi-step decode", _one_process, lambda r: 8 if _graphs(r) else 1,
          "8 with CUDA graphs, else 1"),
     Rule("norm_in_gemv", "the GEMV's norm prologue", lambda r: r.need("gemv", "merge_projections"),
          lambda r: True, "with gemv and merged projections"),
@@ -159,6 +167,11 @@ RULES: tuple[Rule, ...] = (
 RULE_BY_NAME = {rule.name: rule for rule in RULES}
 
 
+def _more_than_one(asked) -> bool:
+    """A number of steps above one asks for multi-step decode as True asks for a switch."""
+    return isinstance(asked, int) and not isinstance(asked, bool) and asked > 1
+
+
 def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
                  hardware: Hardware | None = None) -> Plan:
     """The `Plan` for these settings on `device` with this model (an HF config; its head_dim is what the Triton
@@ -168,12 +181,12 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
         from minirt.model.layers import head_dim_of
 
         hardware = Hardware.of(device, head_dim_of(model_config) if model_config is not None else 16)
-    r = _Resolution(hardware)
+    r = _Resolution(hardware, config.tensor_parallel_size)
     for rule in RULES:
         value = getattr(config, rule.config_field())
         asked = rule.asked(value) if rule.asked else value
         missing = rule.needs(r)
-        if asked is True and missing:
+        if (asked is True or _more_than_one(asked)) and missing:
             raise ValueError(f"{rule.config_field()}: {rule.what} needs {' and '.join(missing)}")
         if asked is not None:                                   # True, False, or a number of steps
             r.on[rule.name] = asked
@@ -186,4 +199,5 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
             r.why_off[rule.name] = f"{rule.config_field()}=None is on only {rule.when}"
     values = dict(r.on)
     values["attention_backend"] = "triton" if values["attention_backend"] else "torch"
+    values["num_scheduler_steps"] = int(values["num_scheduler_steps"]) or 1       # off: single steps
     return Plan(**values)

@@ -1,0 +1,128 @@
+"""Tensor-parallel faults (`minirt.parallel`): a rank that dies or hangs mid-generation resolves every request with
+an error within a bounded time (the collectives' timeout), the other ranks are ended and nothing is left running;
+rank 0 dying ends the others; closing joins every rank. Each test starts its own two-rank engine (CPU, gloo)."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+import minirt
+from conftest import random_prompts
+
+KW = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256, tensor_parallel_size=2)
+LONG = minirt.SamplingParams(max_new_tokens=400, ignore_eos=True)
+BOUND_S = 30                                      # every request resolves within this after the fault
+
+
+def _nothing_left(engine) -> None:
+    group = engine.model_runner.group
+    assert all(not p.is_alive() for p in group.processes)
+    assert not multiprocessing.active_children()
+    assert not dist.is_initialized()
+
+
+def test_a_rank_that_dies_fails_every_request_then_the_engine_refuses(tiny_models):
+    async def main():
+        engine = minirt.Engine(tiny_models["qwen3"], **KW)
+        worker = engine.model_runner.group.processes[0]
+        async with engine:
+            tasks = [asyncio.ensure_future(engine.generate(p, LONG)) for p in random_prompts(1, [5, 17, 30])]
+            await asyncio.sleep(0.3)
+            assert not any(t.done() for t in tasks)
+            start = time.monotonic()
+            os.kill(worker.pid, signal.SIGKILL)
+            outs = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
+            assert time.monotonic() - start < BOUND_S
+            assert [o.finish_reason for o in outs] == ["error"] * 3
+            assert all("rank 1 exited with code -9" in o.error for o in outs)
+            stats = engine.stats()
+            assert stats["num_free_blocks"] == stats["num_total_blocks"]
+            _nothing_left(engine)
+            await engine.restart()                             # the group is gone: a new engine is needed
+            out = await engine.generate([1, 2, 3], minirt.SamplingParams(max_new_tokens=2))
+            assert out.finish_reason == "error" and "build a new engine" in out.error
+
+    asyncio.run(main())
+
+
+def test_a_rank_that_hangs_fails_every_request_within_the_timeout(tiny_models, monkeypatch):
+    monkeypatch.setenv("MINIRT_TP_TIMEOUT_S", "3")
+    llm = minirt.LLM(tiny_models["qwen2"], **KW)
+    worker = llm.engine.model_runner.group.processes[0]
+    timer = threading.Timer(0.5, os.kill, (worker.pid, signal.SIGSTOP))     # hangs it mid-call
+    timer.start()
+    start = time.monotonic()
+    outs = llm.generate(random_prompts(2, [5, 9]), LONG)
+    timer.join()
+    assert time.monotonic() - start < 0.5 + 3 + 10
+    assert [o.finish_reason for o in outs] == ["error"] * 2
+    assert all("did not answer within 3 s" in o.error for o in outs)
+    _nothing_left(llm.engine)                                  # the stopped rank was killed
+
+
+RANK0 = """
+import sys, time
+import minirt
+llm = minirt.LLM(sys.argv[1], device="cpu", dtype="float32", tensor_parallel_size=2)
+print(llm.engine.model_runner.group.processes[0].pid, flush=True)
+llm.generate([[1, 2, 3]], minirt.SamplingParams(max_new_tokens=2))
+time.sleep(600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_rank_zero_dying_ends_the_other_ranks(tiny_models):
+    proc = subprocess.Popen([sys.executable, "-c", RANK0, tiny_models["llama"]], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        worker = int(proc.stdout.readline())
+        assert _alive(worker)
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + BOUND_S
+        while _alive(worker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _alive(worker), "rank 1 outlived rank 0"
+    finally:
+        proc.kill()
+
+
+def test_close_joins_every_rank(tiny_models):
+    llm = minirt.LLM(tiny_models["qwen3"], **KW)
+    assert llm.generate([[4, 5, 6]], minirt.SamplingParams(max_new_tokens=3))[0].finish_reason == "length"
+    runner = llm.engine.model_runner
+    runner.close()
+    assert [p.exitcode for p in runner.group.processes] == [0]      # stopped by the stop command, not killed
+    _nothing_left(llm.engine)
+    runner.close()                                             # idempotent
+    out = llm.generate([[4, 5, 6]], minirt.SamplingParams(max_new_tokens=3))[0]
+    assert out.finish_reason == "error" and "build a new engine" in out.error
+
+
+def test_a_second_engine_in_one_process_is_refused_while_the_first_lives(tiny_models):
+    llm = minirt.LLM(tiny_models["qwen3"], **KW)
+    try:
+        with pytest.raises(RuntimeError, match="already holds a torch.distributed group"):
+            minirt.LLM(tiny_models["qwen3"], **KW)
+        assert llm.generate([[4, 5, 6]], minirt.SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
+    finally:
+        llm.engine.model_runner.close()
+    _nothing_left(llm.engine)
