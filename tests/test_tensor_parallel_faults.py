@@ -126,3 +126,13 @@ def test_a_second_engine_in_one_process_is_refused_while_the_first_lives(tiny_mo
     finally:
         llm.engine.model_runner.close()
     _nothing_left(llm.engine)
+
+
+def test_cli_generate_with_two_ranks_prints_the_one_process_text(default_model):
+    prompt = "Shall I compare thee"
+    proc = subprocess.run([sys.executable, "-m", "minirt", "generate", prompt, "--device", "cpu", "--max-new-tokens",
+                           "12", "--tensor-parallel-size", "2"], capture_output=True, text=True, timeout=120,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = minirt.LLM(default_model, device="cpu").generate(prompt, minirt.SamplingParams(max_new_tokens=12))
+    assert proc.stdout == prompt + expected[0].text + "\n"
