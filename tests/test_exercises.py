@@ -40,7 +40,7 @@ def _nbval():
 def test_six_exercises_with_at_least_two_graded_tasks_each():
     import nbformat
     names = [p.name for p in SOLUTIONS]
-    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07"], names
+    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex09"], names
     assert [p.name for p in EXERCISES] == names
     for path in SOLUTIONS:
         nb = nbformat.read(path, as_version=4)
@@ -139,6 +139,9 @@ REFERENCES = {
     "ex06.schedule": lambda scheduler: scheduler.schedule(),
     "ex07.capture_sizes": "minirt.fast.cuda_graphs:capture_sizes",
     "ex07.combine_splits": "minirt.fast.attention:combine_splits",
+    "ex09.column_parallel": "minirt.parallel.sharding:column_parallel",
+    "ex09.row_parallel": "minirt.parallel.sharding:RowParallelLinear",
+    "ex09.vocab_parallel_embedding": "minirt.parallel.sharding:VocabParallelEmbedding",
 }
 
 
@@ -327,6 +330,41 @@ def _combine_splits_without_the_max(acc, m, l):     # exact in exact arithmetic;
     return (weights[..., None] * acc).sum(-2) / (weights * l).sum(-1, keepdim=True)
 
 
+def _column_parallel_strided(linear, rank, world_size):       # every world_size-th row: heads torn apart
+    import torch
+
+    shard = torch.nn.Linear(linear.in_features, linear.out_features // world_size, bias=linear.bias is not None)
+    with torch.no_grad():
+        shard.weight.copy_(linear.weight[rank::world_size])
+        if linear.bias is not None:
+            shard.bias.copy_(linear.bias[rank::world_size])
+    return shard.to(linear.weight.device)
+
+
+def _row_parallel_bias_on_every_rank():                      # the bias inside the sum: counted world_size times
+    import torch.nn.functional as F
+
+    from minirt.parallel.sharding import RowParallelLinear
+
+    class BiasBeforeTheSum(RowParallelLinear):
+        def forward(self, x):
+            return self.comm.all_reduce(F.linear(x, self.weight, self.bias))
+
+    return BiasBeforeTheSum
+
+
+def _vocab_embedding_without_the_mask():                     # others' ids read this rank's clamped rows
+    import torch.nn.functional as F
+
+    from minirt.parallel.sharding import VocabParallelEmbedding
+
+    class NoMask(VocabParallelEmbedding):
+        def forward(self, ids):
+            return self.comm.all_reduce(F.embedding((ids - self.vocab_start).clamp(0, self.rows - 1), self.weight))
+
+    return NoMask
+
+
 WRONG = [
     ("ex01.greedy_next_token", lambda logits: logits.shape[-1] - 1 - logits.flip(-1).argmax(-1), "tie"),
     ("ex01.naive_generate",
@@ -347,6 +385,9 @@ WRONG = [
     ("ex06.schedule", _schedule_letting_small_requests_overtake, "head-of-line"),
     ("ex07.capture_sizes", lambda n: [1, 2, 4, 8] + list(range(16, n + 1, 16)), "max_num_seqs=1"),
     ("ex07.combine_splits", _combine_splits_without_the_max, "large scores"),
+    ("ex09.column_parallel", _column_parallel_strided, "two ranks"),
+    ("ex09.row_parallel", _row_parallel_bias_on_every_rank(), "two ranks, bias"),
+    ("ex09.vocab_parallel_embedding", _vocab_embedding_without_the_mask(), "two ranks"),
 ]
 
 
