@@ -125,19 +125,18 @@ def _linear(i, o, bias, seed):
 
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("bias", [False, True])
-def test_column_then_row_parallel_sums_to_the_unsharded_pair(world_size, bias):
+def test_column_then_row_parallel_equals_the_unsharded_pair(world_size, bias):
+    """Every rank's output, with its all-reduce summed over the ranks (`simulate_ranks`), equals the unsharded pair."""
+    from minirt.course.checks import simulate_ranks
+
     first, second = _linear(16, 32, bias, 0), _linear(32, 8, bias, 1)
     x = torch.randn(3, 5, 16)
-    local = Communicator()                                             # no collective: the test adds the shards
-    parts, outs = [], []
-    for rank in range(world_size):
-        col = column_parallel(first, rank, world_size)
-        row = RowParallelLinear(second, rank, world_size, local)
-        h = col(x)
-        parts.append(h)
-        outs.append(row(h) - (row.bias if bias else 0))                # the bias is added once, after the sum
-    torch.testing.assert_close(torch.cat(parts, dim=-1), first(x))
-    torch.testing.assert_close(sum(outs) + (second.bias if bias else 0), second(first(x)), rtol=1e-5, atol=1e-5)
+    shards = [column_parallel(first, rank, world_size)(x) for rank in range(world_size)]
+    torch.testing.assert_close(torch.cat(shards, dim=-1), first(x))
+    outs = simulate_ranks(lambda rank, comm: RowParallelLinear(second, rank, world_size, comm), world_size,
+                          lambda rank: shards[rank])
+    for out in outs:
+        torch.testing.assert_close(out, second(first(x)), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("vocab,world_size", [(12, 2), (10, 3), (7, 4)])
@@ -147,9 +146,13 @@ def test_vocab_parallel_embedding_and_lm_head_equal_the_unsharded(vocab, world_s
     head = _linear(6, vocab, False, 3)
     ids = torch.randint(0, vocab, (2, 9))
     hidden = torch.randn(4, 6)
+    from minirt.course.checks import simulate_ranks
+
     local = Communicator()
+    for out in simulate_ranks(lambda rank, comm: VocabParallelEmbedding(emb, rank, world_size, comm), world_size,
+                              lambda rank: ids):
+        torch.testing.assert_close(out, emb(ids))
     shards = [VocabParallelEmbedding(emb, r, world_size, local) for r in range(world_size)]
-    torch.testing.assert_close(sum(s(ids) for s in shards), emb(ids))
     for tied in (False, True):
         heads = [ParallelLMHead(head, r, world_size, local, shards[r] if tied else None) for r in range(world_size)]
         logits = torch.cat([h(hidden) for h in heads], dim=-1)[..., :vocab]

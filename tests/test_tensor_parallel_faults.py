@@ -1,10 +1,12 @@
-"""Tensor-parallel faults (`minirt.parallel`): a rank that dies or hangs mid-generation resolves every request with
-an error within a bounded time (the collectives' timeout), the other ranks are ended and nothing is left running;
-rank 0 dying ends the others; closing joins every rank. Each test starts its own two-rank engine (CPU, gloo)."""
+"""Tensor parallelism, tests that each start their own two-rank engine (CPU, gloo; one group per process): a rank
+that dies or hangs mid-generation resolves every request with an error within a bounded time (the collectives'
+timeout), the other ranks are ended and nothing is left running; rank 0 dying ends the others; closing joins every
+rank; the families with q/k/v biases and their own head_dim; the command line."""
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import multiprocessing
 import os
 import signal
@@ -22,6 +24,15 @@ from conftest import random_prompts
 KW = dict(device="cpu", dtype="float32", block_size=4, num_kv_blocks=256, tensor_parallel_size=2)
 LONG = minirt.SamplingParams(max_new_tokens=400, ignore_eos=True)
 BOUND_S = 30                                      # every request resolves within this after the fault
+
+
+@pytest.fixture(autouse=True)
+def bounded():
+    """End the run, with every thread's traceback, if a test hangs (a collective without its timeout blocks in C++,
+    where no Python signal handler can interrupt it): a loud failure instead of a suite that never finishes."""
+    faulthandler.dump_traceback_later(3 * BOUND_S, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 def _nothing_left(engine) -> None:
@@ -123,6 +134,19 @@ def test_a_second_engine_in_one_process_is_refused_while_the_first_lives(tiny_mo
         with pytest.raises(RuntimeError, match="already holds a torch.distributed group"):
             minirt.LLM(tiny_models["qwen3"], **KW)
         assert llm.generate([[4, 5, 6]], minirt.SamplingParams(max_new_tokens=2))[0].finish_reason == "length"
+    finally:
+        llm.engine.model_runner.close()
+    _nothing_left(llm.engine)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])
+def test_two_ranks_equal_transformers_with_qkv_bias_and_own_head_dim(tiny_models, hf_greedy_fn, family):
+    path = tiny_models[family]
+    prompts = random_prompts(12, [7, 19, 2, 33])
+    llm = minirt.LLM(path, **{**KW, "max_prefill_chunk": 8})
+    try:
+        outs = llm.generate(prompts, minirt.SamplingParams(max_new_tokens=12, ignore_eos=True))
+        assert [o.token_ids for o in outs] == [hf_greedy_fn(path, p, 12) for p in prompts]
     finally:
         llm.engine.model_runner.close()
     _nothing_left(llm.engine)
