@@ -80,7 +80,8 @@ class EngineConfig:
     l2_prefetch: bool | None = None
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")

@@ -22,7 +22,6 @@ leaving futures pending, and later submissions are refused until the engine is r
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import os
@@ -120,13 +119,8 @@ class Engine:
             config.num_kv_blocks = default_num_kv_blocks(model_config, self.model.dtype, self.device,
                                                          config.block_size, config.max_model_len, config.max_num_seqs)
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
-        build = build_model_runner
-        if config.tensor_parallel_size > 1:             # chapter 09: one process per rank (`minirt.parallel`)
-            from minirt.parallel import build_tensor_parallel_runner
-
-            build = functools.partial(build_tensor_parallel_runner, config.tensor_parallel_size)
-        self.model_runner = build(self.plan, self.model, config.num_kv_blocks, config.block_size,
-                                  config.max_num_seqs, config.max_model_len)
+        self.model_runner = build_model_runner(self.plan, self.model, config.num_kv_blocks, config.block_size,
+                                               config.max_num_seqs, config.max_model_len, config.tensor_parallel_size)
         self.pool = BlockPool(config.num_kv_blocks)
         self.prefix_cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool, self.prefix_cache)

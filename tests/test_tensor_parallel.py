@@ -222,10 +222,11 @@ def test_runner_in_a_world_of_one_equals_the_reference(tiny_models, engines, dev
     expected = token_ids(reference.generate(prompts, GREEDY))
     engine = reference.engine
     args = (engine.plan, minirt.load_model(path, device=device, dtype="float32")[0], 64, 4, 256, 512)
-    with pytest.raises(RuntimeError, match="already holds a torch.distributed group"):
-        build_tensor_parallel_runner(1, *args)
     _, tp = engines
-    tp.engine.model_runner.close()                                    # the module's engine is done with its group
+    if not tp.engine.model_runner.group.closed:                       # the first of these tests
+        with pytest.raises(RuntimeError, match="already holds a torch.distributed group"):
+            build_tensor_parallel_runner(1, *args)
+        tp.engine.model_runner.close()                                # the module's engine is done with its group
     engine.model_runner = runner = build_tensor_parallel_runner(1, *args)
     try:
         assert token_ids(reference.generate(prompts, GREEDY)) == expected
