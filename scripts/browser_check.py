@@ -42,8 +42,9 @@ What it needs (not part of CI: there is no browser there):
   * the ``notebooks`` extra (jupyterlab, ipywidgets, matplotlib).
 
 Flow ``quiz`` (``--quiz``; in ``scripts/quiz_flow.py``): the chapter's self-check activities
-(``minirt.course.activities``) clicked as a student would: a wrong and a right answer, a typed number, the
-feedback and the score; a treasure-hunt answer opened; the nbconvert HTML render of the same notebook shows
+(``minirt.course.activities``) clicked as a student would: radio labels wrapping beside their buttons, a wrong
+and a right answer, a section link that scrolls to its heading, a wrong then a right number, the feedback and
+the score; a treasure-hunt answer opened; the nbconvert HTML render of the same notebook shows
 the questions with the answers folded. Screenshots ``06_quiz_before.png`` ... ``10_static_html_quiz.png``.
 
 Flows are plain functions ``flow_xxx(ctx) -> None`` that record checks on ``ctx.report``; a new one

@@ -4,15 +4,19 @@ After ``flow_run_all`` (Run All Cells in JupyterLab), for the chapter's activity
 (``minirt.course.activities``, added by ``tools/add_activities.py``):
 
   1. the quiz widget renders (radio buttons / number boxes) and its static copy is hidden in JupyterLab;
-  2. clicking a wrong answer of the first multiple-choice question shows "Not quite" and its explanation,
-     the right answer of the next one shows "Right."; typing the right number into the first number
-     question and pressing Enter shows "Right."; the quiz's score line and the chapter's score cell
-     both say 2 right at the first try of 3 answered;
+  2. every radio label's text, wrapped or not, starts right of its button (no line under or left of it);
+     clicking a wrong answer of the first multiple-choice question shows "Not quite" and its explanation,
+     whose "See the section ..." link looks like a link (underlined, a link colour) and, clicked, scrolls
+     the notebook to that heading (it was out of view before; ``07a_section_link_clicked.png``); the right
+     answer of the next one shows "Right."; a too-high number in the first number question gets
+     "Not yet: too high" and a second try (no answer shown), the right number then "Right."; the quiz's
+     score line and the chapter's score cell both say 1 right at the first try of 3 answered;
   3. opening the first treasure-hunt answer shows the live source lines with their line numbers;
   4. the same notebook converted with nbconvert to HTML (no kernel, no widgets) shows the questions as
      text with every answer folded.
 
-Screenshots: ``06_quiz_before.png``, ``07_quiz_after.png`` (the quiz output), ``08_score.png``,
+Screenshots: ``06_quiz_before.png``, ``07a_section_link_clicked.png``, ``07_quiz_after.png`` (the quiz output),
+``08_score.png``,
 ``09_hunt_open.png``, ``10_static_html_quiz.png``. Kept in its own module so that the browser
 checker stays one screen of flows; ``browser_check.py --quiz`` appends ``flow_quiz``.
 """
@@ -61,6 +65,75 @@ def tall_shot(ctx, index: int, name: str, height: int = 2200) -> None:
         ctx.page.set_viewport_size(size)
 
 
+JS_RADIO_LAYOUT = """(index) => {
+  // every line of every radio label's text starts right of its button (none wraps under or left of it)
+  const cells = document.querySelectorAll('.jp-Notebook .jp-Cell');
+  const root = Array.from(cells).find(c => c.querySelector('.minirt-quiz')) || document;
+  const out = {labels: 0, wrapped: 0, under: []};
+  root.querySelectorAll('.minirt-quiz .widget-radio-box label').forEach(label => {
+    const input = label.querySelector('input[type=radio]');
+    const text = Array.from(label.childNodes).find(n => n.nodeType === 3 && n.textContent.trim());
+    if (!input || !text) return;
+    out.labels += 1;
+    const range = document.createRange();
+    range.selectNodeContents(text);
+    const rects = Array.from(range.getClientRects()).filter(r => r.width > 0);
+    const tops = new Set(rects.map(r => Math.round(r.top)));
+    if (tops.size > 1) out.wrapped += 1;
+    const right = input.getBoundingClientRect().right;
+    if (rects.some(r => r.left < right - 0.5)) out.under.push(text.textContent.slice(0, 40));
+  });
+  return out;
+}"""
+
+JS_LINK_STYLE = """(a) => {
+  const s = getComputedStyle(a), p = getComputedStyle(a.parentElement);
+  return {color: s.color, parent: p.color, underline: s.textDecorationLine.includes('underline'),
+          cursor: s.cursor};
+}"""
+
+JS_HEADING_VISIBLE = """(id) => {
+  const h = Array.from(document.querySelectorAll('.jp-Notebook [id], .jp-Notebook [data-jupyter-id]'))
+    .find(e => (e.id || e.getAttribute('data-jupyter-id')) === id);
+  if (!h) return null;
+  const r = h.getBoundingClientRect(), s = document.querySelector('.jp-WindowedPanel-outer')
+    || document.querySelector('.jp-Notebook');
+  const v = s.getBoundingClientRect();
+  return {top: r.top, bottom: r.bottom, viewTop: v.top, viewBottom: v.bottom,
+          visible: r.bottom > v.top && r.top < v.bottom, text: h.textContent.slice(0, 60)};
+}"""
+
+
+def section_link_flow(ctx, box, section: str) -> None:
+    """The feedback's "See the section ..." link looks like a link and, clicked, scrolls JupyterLab to the heading."""
+    from minirt.course import activities
+
+    bc = _bc()
+    page, report = ctx.page, ctx.report
+    link = box.locator(".widget-html a").last
+    style = page.evaluate(JS_LINK_STYLE, link.element_handle())
+    report.check(style["underline"] and style["color"] != style["parent"] and style["cursor"] == "pointer",
+                 "section link looks like a link", str(style))
+    heading_id = activities.heading_anchor(section)[1:]
+    from urllib.parse import unquote
+    heading_id = unquote(heading_id)
+    before = page.evaluate(JS_HEADING_VISIBLE, heading_id)
+    url_before = page.url
+    link.click()
+    try:
+        bc.wait_for(lambda: (page.evaluate(JS_HEADING_VISIBLE, heading_id) or {}).get("visible"), 10,
+                    f"heading {section!r} to scroll into view")
+        after = page.evaluate(JS_HEADING_VISIBLE, heading_id)
+    except TimeoutError:
+        after = page.evaluate(JS_HEADING_VISIBLE, heading_id)
+    page.wait_for_timeout(500)
+    ctx.shot("07a_section_link_clicked.png")
+    report.check(bool(after and after["visible"]), "section link scrolls to the heading",
+                 f"{section!r}: before the click {'visible' if before and before['visible'] else 'not in view'}, "
+                 f"after: {after}; " + ("the page's URL unchanged (the link's own scroll ran)" if page.url == url_before
+                                        else f"the URL changed to ...{page.url[-40:]} (the href was followed)"))
+
+
 def flow_quiz(ctx) -> None:
     from minirt.course import activities
 
@@ -106,21 +179,39 @@ def flow_quiz(ctx) -> None:
         bc.wait_for(lambda: fb.inner_text().strip(), 15, f"feedback of question {i + 1}")
         return " ".join(fb.inner_text().split())
 
+    layout = page.evaluate(JS_RADIO_LAYOUT, index)
+    report.check(layout["labels"] > 0 and not layout["under"],
+                 "radio labels wrap beside their buttons",
+                 f"{layout['labels']} labels, {layout['wrapped']} wrap onto several lines, every line starts right "
+                 f"of its button" if not layout["under"] else f"text under its button: {layout['under'][:3]}")
+
     text = click(first, wrong)
     report.check(text.startswith("\u2718 Not quite.") and "See the section" in text,
                  "wrong answer: feedback", f"Q{first + 1} {wrong[:40]!r} -> {text[:110]!r}")
+    section_link_flow(ctx, boxes.nth(first), questions[first]["section"])
+    cell = bc.scroll_to_cell(ctx, index, "quiz-cell-again")          # back to the quiz
+    boxes = cell.locator(".widget-vbox .widget-vbox")
     text = click(second, right)
     report.check(text.startswith("\u2714 Right."), "right answer: feedback", f"Q{second + 1} -> {text[:110]!r}")
-    answered = 2
+    answered, right_first = 2, 1
     if number:
         n = number[0]
         box = boxes.nth(n).locator("input[type=text]").first
-        box.fill(f"{questions[n]['answer']:g}")
+        q = questions[n]
+        box.fill(f"{q['answer'] + q.get('tolerance', 0) + max(1, abs(q['answer'])):g}")    # too high first
         box.press("Enter")
         text = feedback(n)
-        report.check(text.startswith("\u2714 Right."), "number answer: feedback", f"Q{n + 1} -> {text[:110]!r}")
+        shown = f"{q['answer']:g}"
+        report.check(text.startswith("\u2718 Not yet: too high.") and "Try once more" in text,
+                     "wrong number: hint, second try", f"Q{n + 1} -> {text[:110]!r}")
+        box.fill(shown)
+        box.press("Enter")
+        bc.wait_for(lambda: feedback(n).startswith("\u2714"), 15, "the second try's feedback")
+        text = feedback(n)
+        report.check(text.startswith("\u2714 Right."), "number answer, second try: feedback",
+                     f"Q{n + 1} -> {text[:110]!r}")
         answered += 1
-    expect = f"Score: {answered - 1} / {len(questions)}"
+    expect = f"Score: {right_first} / {len(questions)}"
     label = cell.get_by_text("Score:").last
     bc.wait_for(lambda: expect in label.inner_text(), 10, "the quiz score to update")
     report.check(expect in label.inner_text(), "quiz score", " ".join(label.inner_text().split()))
@@ -129,7 +220,7 @@ def flow_quiz(ctx) -> None:
     score = find_cell(ctx, "activities.score(")
     if score is not None:
         cell = bc.scroll_to_cell(ctx, score, "score-cell")
-        want = f"quiz {answered - 1}/{len(questions)} right at the first try ({answered}/{len(questions)} answered)"
+        want = f"quiz {right_first}/{len(questions)} right at the first try ({answered}/{len(questions)} answered)"
         with_text = cell.get_by_text("Self-check")
         try:
             bc.wait_for(lambda: want in with_text.first.inner_text(), 10, "the score cell to update")
@@ -167,7 +258,7 @@ def flow_quiz(ctx) -> None:
         static.wait_for(state="visible", timeout=10_000)
         visible_q = sum(page.get_by_text(activities._plain(q["question"])[:50]).first.is_visible()
                         for q in questions)
-        folded = page.locator(".minirt-static details:not([open])").count()
+        folded = page.locator(".minirt-static details:not([open]) > summary", has_text="Answer").count()
         report.check(visible_q == len(questions) and folded == len(questions), "static HTML shows the quiz",
                      f"{visible_q}/{len(questions)} questions visible, {folded} answers folded")
         static.scroll_into_view_if_needed()

@@ -137,6 +137,41 @@ def test_quiz_widget_answers_feedback_and_score():
     assert quiz.feedback(other).startswith("\u2714 Right.") and quiz.score() == (2, 3, len(qs))
 
 
+def test_a_wrong_number_gets_a_hint_and_a_second_try():
+    """A first wrong number shows whether it was too high or too low (and the question's hint), not the answer;
+    a second wrong one shows the answer and the explanation; the score keeps the first try."""
+    quiz = activities.Quiz("ch03")
+    n = next(i for i, q in enumerate(quiz.questions) if q["kind"] == "number")
+    q = quiz.questions[n]
+    answer, tol = q["answer"], q.get("tolerance", 0)
+    shown = activities.inline_html(activities._correct_text(q))
+    fb = quiz.answer(n, answer + tol + 10)
+    assert fb.startswith("\u2718 Not yet: too high.") and "Try once more" in fb, fb
+    assert shown not in quiz.feedbacks[n].value and q["explanation"][:30] not in html.unescape(fb)
+    if q.get("hint"):
+        assert html.unescape(activities.inline_html(q["hint"]))[:30] in html.unescape(quiz.feedbacks[n].value)
+    fb = quiz.answer(n, answer - tol - 10)
+    assert fb.startswith("\u2718 Not quite. The answer is"), fb
+    assert q["explanation"][:30] in html.unescape(fb) and f"See the section {q['section']}" in fb
+    assert quiz.score() == (0, 1, len(quiz.questions))
+
+    quiz = activities.Quiz("ch03")                          # too low, then right
+    assert quiz.answer(n, answer - tol - 10).startswith("\u2718 Not yet: too low.")
+    assert quiz.answer(n, answer).startswith("\u2714 Right.")
+    assert quiz.score() == (0, 1, len(quiz.questions))
+
+    quiz = activities.Quiz("ch03")                          # a question's own hint is shown with the direction
+    quiz.questions = [dict(x, hint="Count the **blocks**, not the tokens.") if i == n else x
+                      for i, x in enumerate(quiz.questions)]
+    quiz.answer(n, answer + tol + 10)
+    assert "Hint: Count the <b>blocks</b>, not the tokens." in quiz.feedbacks[n].value
+    data = json.loads(json.dumps(activities.load("ch03")))
+    data["quiz"][n]["hint"] = ""
+    data["quiz"][next(i for i, x in enumerate(data["quiz"]) if x["kind"] == "choice")]["hint"] = "x"
+    problems = "\n".join(activities.validate(data))
+    assert "hint must be a non-empty string" in problems and "only a number question has a hint" in problems
+
+
 def test_number_answers_parse_and_tolerance():
     assert activities.parse_number("3 KiB") == 3.0
     assert activities.parse_number("374,750") == 374750.0
@@ -178,7 +213,7 @@ def test_static_copy_shows_questions_and_folds_answers(chapter):
         assert activities.inline_html(q["explanation"]) not in outside          # answers only when expanded
         assert activities.inline_html(q["explanation"]) in page
         assert activities._plain(q["question"]) in text and activities._plain(q["explanation"]) not in text
-    assert page.count("<details>") == len(data["quiz"])
+    assert page.count("<details>") == len(data["quiz"]) + sum(1 for q in data["quiz"] if q.get("hint"))
     recap = activities.recap_html(chapter)
     outside = re.sub(r"<details>.*?</details>", "", recap, flags=re.S)
     assert activities.inline_html(data["recap"]["answer"]) not in outside

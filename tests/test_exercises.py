@@ -121,6 +121,32 @@ def test_generator_check_mode_names_the_stale_file(tmp_path):
     assert mk.main(["--exercises", str(out), "--check"]) == 1
 
 
+def test_instructor_files_are_never_exercises_nor_handed_out(tmp_path):
+    """solutions/README.md (the instructor's guide) and solutions/answers/ (the chapters' answers) beside the
+    solution notebooks: the generator writes only exNN notebooks, the grader reads only those, and
+    `exercise start` copies one exercise notebook and nothing else."""
+    import shutil
+
+    from minirt.course import grading, work
+
+    mk = _load_make_exercises()
+    sol, out, dest = tmp_path / "solutions", tmp_path / "exercises", tmp_path / "work"
+    (sol / "answers").mkdir(parents=True)
+    shutil.copy(SOLUTIONS[0], sol / SOLUTIONS[0].name)
+    (sol / "README.md").write_text("# Instructor's guide\n")
+    (sol / "answers" / "ch01.md").write_text("# Answers\n")
+    (sol / "answers" / "ex99_answers.ipynb").write_text("{}")        # not at the top level: never read
+    assert mk.main(["--solutions", str(sol), "--exercises", str(out)]) == 0
+    assert sorted(p.name for p in out.rglob("*")) == [SOLUTIONS[0].name]
+    assert list(grading.load_specs(sol)) == [SOLUTIONS[0].name[:4]]
+    copy = work.start(SOLUTIONS[0].name[:4], dest, out)
+    assert sorted(p.name for p in dest.rglob("*")) == [copy.name] == [SOLUTIONS[0].name]
+    for name in ("README", "answers", "ch01"):
+        with pytest.raises(ValueError, match="no exercise"):
+            work.start(name, dest, out)
+    assert (ROOT / "solutions" / "README.md").is_file(), "the instructor's guide is missing"
+
+
 # ---------------------------------------------------------------------------------------- the checkers
 
 REFERENCES = {
@@ -445,3 +471,56 @@ def test_wrong_exception_type_and_unexpected_exception_are_reported():
     with pytest.raises(CheckFailed, match="expected: ValueError to be raised"):
         checks.ex01_naive_generate(no_validation)
     assert left_pad  # the reference itself is untouched
+
+
+def _run_in_ipython(code: str) -> tuple[bool, str]:
+    """Run `code` in an IPython shell as a notebook cell; (succeeded, what the shell printed)."""
+    import contextlib
+    import io
+
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        result = shell.run_cell(code, store_history=False)
+    return result.success, out.getvalue()
+
+
+def test_a_failing_check_shows_its_message_without_the_checkers_traceback():
+    """In Jupyter a failing check shows the case, inputs, expected and got, and no frame of checks.py; the
+    cell still fails (nbval and nbclient see an error). A function that raises shows its own frames."""
+    ok, shown = _run_in_ipython("from minirt.course import checks\n"
+                                "def slot_mapping(t, s, e, B):\n    return []\n"
+                                "checks.ex03_slot_mapping(slot_mapping)\n")
+    assert not ok
+    assert "ex03.slot_mapping failed on case 2/14 'one token'" in shown and "inputs:" in shown, shown
+    assert "checks.py" not in shown and "Traceback" not in shown, shown
+    assert len(shown.strip().splitlines()) <= 6, shown
+
+    ok, shown = _run_in_ipython("def helper(t):\n    return t[99]\n"
+                                "def slot_mapping(t, s, e, B):\n    return helper(t)\n"
+                                "checks.ex03_slot_mapping(slot_mapping)\n")
+    assert not ok
+    assert "your function raised IndexError" in shown and "in helper" in shown and "return t[99]" in shown, shown
+    assert "checks.py" not in shown, shown
+
+
+def test_check_messages_name_the_task_heading_the_student_sees():
+    """A failing check says "the check cell of Task k" (nbval's "Cell N" counts code cells from 0, which a
+    student cannot find): true only if each check cell sits under its exercise's "## Task k" heading."""
+    import re
+
+    import nbformat
+
+    for path in SOLUTIONS:
+        heading = None
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "markdown":
+                found = re.findall(r"^## Task (\d+)", cell.source, re.M)
+                heading = int(found[-1]) if found else heading
+            elif "task" in cell.metadata.get("minirt", {}):
+                task = cell.metadata["minirt"]["task"]
+                assert heading == checks.task_number(task), (path.name, task, heading)
+    with pytest.raises(CheckFailed, match=r"failed on case 2/14 'one token' \(the check cell of Task 1\)"):
+        checks.ex03_slot_mapping(lambda t, s, e, B: [])

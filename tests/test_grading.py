@@ -72,10 +72,15 @@ def _stored_failure(nb):              # correct code, but the notebook was saved
     c.outputs = [nbformat.v4.new_output("error", ename="CheckFailed", evalue="old run", traceback=["old run"])]
 
 
+def _typo(nb):                        # the second task's solution cell does not compile: its function is missing
+    c = _code_cell(nb, solution_of="ex06.schedule")
+    c.source = "def schedule(scheduler)\n    pass\n"
+
+
 def test_grade_cli_scores_each_submission_on_its_own(tmp_path, capsys):
     subs = {name: _variant(tmp_path, name, edit) for name, edit in [
         ("correct", lambda nb: None), ("wrong", _wrong), ("hang", _hang), ("kill", _kill),
-        ("edited", _edited), ("flood", _flood), ("stored_failure", _stored_failure)]}
+        ("edited", _edited), ("flood", _flood), ("stored_failure", _stored_failure), ("typo", _typo)]}
     out = tmp_path / "grades.csv"
     status = grading.main([*map(str, subs.values()), "--out", str(out), "--timeout", "20"])
     assert status == 0
@@ -86,13 +91,23 @@ def test_grade_cli_scores_each_submission_on_its_own(tmp_path, capsys):
     assert list(rows) == list(subs)
     expected = {  # (split_budget, schedule, total)
         "correct": ("1", "3", "4"), "wrong": ("0", "0", "0"), "hang": ("1", "0", "1"), "kill": ("1", "0", "1"),
-        "edited": ("0", "3", "3"), "flood": ("1", "3", "4"), "stored_failure": ("1", "3", "4")}
+        "edited": ("0", "3", "3"), "flood": ("1", "3", "4"), "stored_failure": ("1", "3", "4"),
+        "typo": ("1", "0", "1")}
     for name, (a, b, total) in expected.items():
         r = rows[name]
         assert (r["ex06.split_budget"], r["ex06.schedule"], r["total"]) == (a, b, total), (name, r)
         assert r["max"] == "4" and r["exercise"] == "ex06"
     assert rows["correct"]["notes"] == ""
     assert "prompt longer than the chunk cap" in rows["wrong"]["notes"]
+    # the note is the check's whole message: the case, its inputs, expected and got (no traceback)
+    wrong = rows["wrong"]["notes"]
+    assert "inputs:   budget=" in wrong and "expected" in wrong and " got " in wrong, wrong
+    assert "Traceback" not in wrong and "checks.py" not in wrong, wrong
+    # a failed cell is named as a student finds it: its number among all cells and the heading above it
+    typo = rows["typo"]["notes"]
+    nb = nbformat.read(subs["typo"], as_version=4)
+    number = next(i for i, c in enumerate(nb.cells, 1) if c.source.startswith("def schedule(scheduler)\n"))
+    assert f"a cell before failed: cell {number} (under 'Task 2" in typo and "SyntaxError" in typo, typo
     assert "ex06.schedule: timed out" in rows["hang"]["notes"]
     assert "ex06.schedule: kernel died" in rows["kill"]["notes"]
     assert "ex06.split_budget: check cell edited" in rows["edited"]["notes"]

@@ -41,9 +41,21 @@ LEVELS = ("pass", "good", "excellent")
 #: shows the same thing; a rendered page (nbconvert HTML, GitHub) has neither class and shows it.
 _STATIC_CSS = ("<style>.jp-LabShell .minirt-static, .jp-NotebookShell .minirt-static "
                "{display: none;}</style>")
-#: ipywidgets gives radio labels a fixed one-line height, so a long choice overprints the next one.
-_QUIZ_CSS = ("<style>.minirt-quiz .widget-radio-box label {height: auto !important; white-space: normal; "
-             "line-height: 1.3; margin-bottom: 6px;}</style>")
+#: ipywidgets gives radio labels a fixed one-line height (a long choice overprints the next one) and lets
+#: their text wrap under the button; as a flex row the text wraps in its own column beside the button.
+#: Links in the feedback look like links (JupyterLab styles them only inside rendered outputs).
+_QUIZ_CSS = ("<style>.minirt-quiz .widget-radio-box label {display: flex !important; align-items: flex-start; "
+             "gap: 0.45em; height: auto !important; white-space: normal; line-height: 1.35; margin-bottom: 6px;} "
+             ".minirt-quiz .widget-radio-box label input[type=radio] {order: -1; flex: none; margin: 0.2em 0 0 0;} "
+             ".minirt-quiz a {color: var(--jp-content-link-color, #0b61c4); text-decoration: underline; "
+             "cursor: pointer;}</style>")
+#: A section link's click in JupyterLab: the notebook that holds the link scrolls to the heading with its own
+#: fragment navigation (`Notebook.setFragment`, which finds headings even in cells the windowed notebook has
+#: not rendered); elsewhere the element with that id scrolls into view; the href is the fallback.
+_SCROLL_JS = ("var a=this,id=decodeURIComponent(a.getAttribute('href').slice(1)),app=window.jupyterapp;"
+              "var p=app&&Array.from(app.shell.widgets('main')).find(function(w){return w.node.contains(a);});"
+              "if(p&&p.content&&p.content.setFragment){p.content.setFragment('#'+id);return false;}"
+              "var e=document.getElementById(id);if(e){e.scrollIntoView();return false;}return true;")
 
 
 # ===================================================================================== data
@@ -83,7 +95,8 @@ def validate(data: dict) -> list[str]:
     Format: `{"chapter", "title", "quiz": [...], "hunt": [...], "recap": {...}}`.
     A quiz question has `id`, `section` (a heading of the chapter), `question`, `explanation`, and either
     `"kind": "choice"` with `choices: [{"text", "correct"}]` (exactly one correct) or `"kind": "number"`
-    with `answer` (a number), optional `tolerance` (absolute, default 0) and `unit`.
+    with `answer` (a number), optional `tolerance` (absolute, default 0), `unit` and `hint` (shown after a
+    first wrong answer, with whether it was too high or too low; the answer comes only after a second).
     A hunt item has `question`, `symbol` (a dotted name in minirt), optional `marker` (text of the first
     line to show, inside that symbol's source) and `end_marker`, `answer`, optional `hint`.
     The recap has `prompt`, `answer`, and `levels` with non-empty `pass`, `good` and `excellent` lists.
@@ -126,8 +139,12 @@ def validate(data: dict) -> list[str]:
                 problems.append(f"{where}: tolerance must be a number >= 0")
             if "choices" in q:
                 problems.append(f"{where}: a number question has no choices")
+            if "hint" in q and (not isinstance(q["hint"], str) or not q["hint"].strip()):
+                problems.append(f"{where}: hint must be a non-empty string")
         else:
             problems.append(f"{where}: kind must be 'choice' or 'number', got {kind!r}")
+        if kind == "choice" and "hint" in q:
+            problems.append(f"{where}: only a number question has a hint (a choice question shows its answer)")
     hunt = data.get("hunt", [])
     if not 3 <= len(hunt) <= 4:
         problems.append(f"hunt: {len(hunt)} questions (expected three or four)")
@@ -301,6 +318,25 @@ def show_source(name: str, marker: str | None = None, end_marker: str | None = N
     return HTML(f"<div>{ref._repr_html_()}</div>{ref.listing_html()}")
 
 
+def reveal_source(name: str, exercise: str, marker: str | None = None, end_marker: str | None = None):
+    """Like `show_source`, folded: minirt's version of what exercise `exercise` asks for ("ex03").
+
+    A chapter shows the source of a function an exercise asks for only this way, and only after the
+    cell that introduces the exercise (`tests/test_exercise_first.py` holds every chapter to it). The
+    listing sits in a closed `<details>` whose summary says to open it after passing; the
+    `data-minirt-reveal` attribute names the exercise, for the test.
+    """
+    from IPython.display import HTML
+
+    if not re.fullmatch(r"ex\d\d", exercise):
+        raise ValueError(f"exercise: expected a name like 'ex03', got {exercise!r}")
+    ref = source_ref(name, marker, end_marker)
+    summary = (f"minirt's <code>{html.escape(ref.qualname)}</code>: the answer to exercise "
+               f"{exercise[2:]}, open it after you pass")
+    return HTML(f'<details data-minirt-reveal="{exercise}"><summary>{summary}</summary>'
+                f"<div>{ref._repr_html_()}</div>{ref.listing_html()}</details>")
+
+
 # ===================================================================================== text helpers
 
 
@@ -323,8 +359,12 @@ def heading_anchor(section: str) -> str:
     return "#" + quote(text.replace(" ", "-"))
 
 
-def section_link(section: str) -> str:
-    return f'<a href="{heading_anchor(section)}">{inline_html(section)}</a>'
+def section_link(section: str, live: bool = False) -> str:
+    """A link to a heading of the chapter. `live`: for a widget in JupyterLab, where a plain `#anchor` only
+    changes the URL; the link then scrolls the notebook itself (`_SCROLL_JS`). Static copies keep the plain
+    href, which rendered pages (nbconvert HTML, GitHub) follow."""
+    click = f' onclick="{html.escape(_SCROLL_JS)}"' if live else ""
+    return f'<a href="{heading_anchor(section)}"{click}>{inline_html(section)}</a>'
 
 
 def _plain(text: str) -> str:
@@ -380,6 +420,8 @@ class Quiz:
         self.questions = self.data["quiz"]
         self.first_try: dict[int, bool] = {}       # question index -> right at the first answer
         self.current: dict[int, bool] = {}         # question index -> the current answer is right
+        self.wrong_tries: dict[int, int] = {}      # question index -> different wrong numbers tried so far
+        self._last_wrong: dict[int, str] = {}
         self.inputs, self.feedbacks, rows = [], [], []
         for i, q in enumerate(self.questions):
             head = widgets.HTML(f"<b>{i + 1}.</b> {inline_html(q['question'])}")
@@ -430,13 +472,25 @@ class Quiz:
         else:
             self.first_try.setdefault(i, right)
             self.current[i] = right
-            verdict = ("<b style='color:#1a7f37'>\u2714 Right.</b>" if right else
-                       "<b style='color:#c62828'>\u2718 Not quite.</b>"
-                       + (f" The answer is <b>{inline_html(_correct_text(q))}</b>." if q["kind"] == "number" else ""))
-            self.feedbacks[i].value = (
-                f"<div style='margin:4px 0 0 1.4em;padding:4px 8px;border-left:3px solid "
-                f"{'#1a7f37' if right else '#c62828'}'>{verdict} {inline_html(q['explanation'])} "
-                f"<i>See the section {section_link(q['section'])}.</i></div>")
+            if not right and q["kind"] == "number" and self._last_wrong.get(i) != self.inputs[i].value:
+                self._last_wrong[i] = self.inputs[i].value      # the same answer checked again is no new try
+                self.wrong_tries[i] = self.wrong_tries.get(i, 0) + 1
+            box = ("<div style='margin:4px 0 0 1.4em;padding:4px 8px;border-left:3px solid {color}'>{body}</div>")
+            if not right and q["kind"] == "number" and self.wrong_tries[i] == 1:
+                # a first wrong number: a hint and a second try, not the answer yet
+                x = parse_number(str(self.inputs[i].value))
+                direction = "too high" if x is not None and x > q["answer"] else "too low"
+                hint = f" Hint: {inline_html(q['hint'])}" if q.get("hint") else ""
+                self.feedbacks[i].value = box.format(color="#b26b00", body=(
+                    f"<b style='color:#b26b00'>\u2718 Not yet: {direction}.</b>{hint} Try once more "
+                    "(the answer and its explanation come after a second try)."))
+            else:
+                verdict = ("<b style='color:#1a7f37'>\u2714 Right.</b>" if right else
+                           "<b style='color:#c62828'>\u2718 Not quite.</b>"
+                           + (f" The answer is <b>{inline_html(_correct_text(q))}</b>." if q["kind"] == "number"
+                              else ""))
+                self.feedbacks[i].value = box.format(color="#1a7f37" if right else "#c62828", body=(
+                    f"{verdict} {inline_html(q['explanation'])} <i>See the section {section_link(q['section'], live=True)}.</i>"))
         self.score_label.value = self._score_html()
         _refresh_scores(self.chapter)
 
@@ -475,6 +529,8 @@ def quiz_static_html(chapter) -> str:
             answer = inline_html(_correct_text(q))
         else:
             body = f"<p><i>Answer with a number{' in ' + html.escape(q['unit']) if q.get('unit') else ''}.</i></p>"
+            if q.get("hint"):
+                body += f"<details><summary>Hint</summary><p>{inline_html(q['hint'])}</p></details>"
             answer = inline_html(_correct_text(q))
         items.append(f"<li><p>{inline_html(q['question'])}</p>{body}<details><summary>Answer</summary>"
                      f"<p><b>{answer}.</b> {inline_html(q['explanation'])} <i>See the section "

@@ -37,7 +37,30 @@ TOLERANCES = {torch.float32: (1e-4, 1e-4), torch.float64: (1e-7, 1e-7),
 
 
 class CheckFailed(AssertionError):
-    """A graded task's function disagrees with the reference (or is not implemented yet)."""
+    """A graded task's function disagrees with the reference (or is not implemented yet).
+
+    In IPython (Jupyter, nbval, nbclient) it shows as its message alone, without the traceback through this
+    module (`_render_traceback_`, IPython's hook for exceptions that render themselves); the cell still fails.
+    When the student's function raised where the reference returned, the frames of the student's own code
+    (and of whatever it called) follow, the checker's frames left out.
+    """
+
+    def _render_traceback_(self) -> list[str]:
+        lines = [f"\x1b[0;31mCheckFailed\x1b[0m: {self}"]
+        cause = self.__cause__
+        if cause is not None and cause.__traceback__ is not None:
+            import traceback
+
+            frames = [f for f in traceback.extract_tb(cause.__traceback__)
+                      if f.filename not in _CHECKER_FILES]
+            if frames:
+                lines += ["", "Your function raised it here:",
+                          *"".join(traceback.format_list(frames)).rstrip("\n").split("\n"),
+                          *traceback.format_exception_only(type(cause), cause)[-1:]]
+        return [line.rstrip("\n") for line in lines]
+
+
+_CHECKER_FILES = {__file__, contextlib.__file__}
 
 
 def device() -> torch.device:
@@ -214,8 +237,20 @@ def reference_outcome(spec: Spec, case: Case) -> tuple[str, Any]:
     return kind, value
 
 
+def task_number(task_id: str) -> int | None:
+    """k of the exercise's "## Task k" heading: the task's place among its exercise's tasks in `TASKS`."""
+    same = [t for t in TASKS if t.split(".")[0] == task_id.split(".")[0]]
+    return same.index(task_id) + 1 if task_id in same else None
+
+
+def _where(task_id: str) -> str:
+    """Where the student finds the check (nbval's "Cell N" counts code cells only, from 0)."""
+    k = task_number(task_id) if "TASKS" in globals() else None
+    return f" (the check cell of Task {k})" if k else ""
+
+
 def not_implemented_message(task_id: str) -> str:
-    return (f"{task_id}: task not implemented yet - your function raised NotImplementedError. "
+    return (f"{task_id}{_where(task_id)}: task not implemented yet - your function raised NotImplementedError. "
             "Replace the `raise NotImplementedError(...)` line with your solution and run this cell again.")
 
 
@@ -226,7 +261,7 @@ def compare(task_id: str, i: int, case: Case, n: int, expected: tuple[str, Any],
     notebook and by the grader, which receives the student's outcome from its worker as data."""
     kind_e, value_e = expected
     kind_g, value_g = got
-    head = f"{task_id} failed on case {i}/{n} '{case.name}'\n  inputs:   {case.show}\n"
+    head = f"{task_id} failed on case {i}/{n} '{case.name}'{_where(task_id)}\n  inputs:   {case.show}\n"
     tail = f"\n  your function printed: {_short(printed)}" if printed else ""
     if kind_e == "raised":
         if kind_g == "raised" and _raised_like(value_g, value_e):
@@ -385,32 +420,33 @@ def ex01_naive_generate() -> Spec:
     from minirt.generate import naive_generate as reference
 
     model = tiny_model()
-    ref_tokens = {}
 
-    def eos_at(prompt, step):      # a token the reference really produces at `step`: EOS stops there
-        key = tuple(prompt)
-        if key not in ref_tokens:
-            with _quiet():
-                ref_tokens[key] = reference(model, prompt, 8)
-        return ref_tokens[key][step]
+    def first_new(prompt, n, late):
+        """(step, token) of a token the reference produces for the first time at that step: the first step
+        (`late=False`) or the last such step among its first `n` tokens. As EOS it stops the reference exactly there
+        (the tiny model repeats tokens, so "the token at step k" may have come up already at an earlier step)."""
+        with _quiet():
+            tokens = reference(model, list(prompt), n)
+        fresh = [(k, t) for k, t in enumerate(tokens) if t not in tokens[:k]]
+        return fresh[-1 if late else 0]
 
-    def case(name, prompt, n, eos=None, eos_step=None):
-        def make():
-            e = eos_at(prompt, eos_step) if eos_step is not None else eos
-            return list(prompt), n, e
-        show = f"prompt_ids={_short(prompt, 80)}, max_new_tokens={n}, eos_token_id=" + (
-            f"<the token produced at step {eos_step}>" if eos_step is not None else repr(eos))
-        return Case(name, make, show)
+    def case(name, prompt, n, eos=None):
+        show = f"prompt_ids={_short(prompt, 80)}, max_new_tokens={n}, eos_token_id={eos!r}"
+        return Case(name, lambda: (list(prompt), n, eos), show)
 
     p = _prompts(11, [1, 2, 7, 20, 33])
+    late_step, late_eos = first_new(p[4], 9, late=True)          # well before the length limit of 12
+    mid_step, mid_eos = first_new(p[2], 4, late=True)
+    _, first_eos = first_new(p[2], 8, late=False)
     cases = [
         case("one-token prompt", p[0], 5),
         case("max_new_tokens=1", p[2], 1),
         case("two-token prompt", p[1], 6),
         case("longer prompt", p[3], 10),
         case("33-token prompt", p[4], 12),
-        case("EOS produced at step 3 (EOS is kept, then stop)", p[3], 8, eos_step=3),
-        case("EOS produced at the first step", p[2], 8, eos_step=0),
+        case(f"EOS first produced at step {mid_step} (EOS is kept, then stop)", p[2], 8, eos=mid_eos),
+        case(f"late EOS: first produced at step {late_step} of up to 12", p[4], 12, eos=late_eos),
+        case("EOS produced at the first step", p[2], 8, eos=first_eos),
         case("EOS never produced", p[1], 6, eos=TINY_VOCAB + 5),
         case("empty prompt -> ValueError", [], 4),
         case("max_new_tokens=0 -> ValueError", p[2], 0),
@@ -452,23 +488,18 @@ def ex02_kv_cache_generate() -> Spec:
     from minirt.generate import kv_cache_generate as reference
 
     model = tiny_model()
-    ref_tokens = {}
 
     def eos_at(prompts, row, step):
-        key = tuple(map(tuple, prompts))
-        if key not in ref_tokens:
-            with _quiet():
-                ref_tokens[key] = reference(model, prompts, 8)
-        return ref_tokens[key][row][step]
+        with _quiet():
+            return reference(model, copy.deepcopy(prompts), 8)[row][step]
 
     def case(name, prompts, n, eos=None, eos_at_row_step=None):
-        def make():
-            e = eos_at(prompts, *eos_at_row_step) if eos_at_row_step else eos
-            return copy.deepcopy(prompts), n, e
-        show = f"prompts of lengths {[len(q) for q in prompts]}, max_new_tokens={n}, eos_token_id=" + (
-            f"<the token row {eos_at_row_step[0]} produces at step {eos_at_row_step[1]}>" if eos_at_row_step
-            else repr(eos))
-        return Case(name, make, show)
+        if eos_at_row_step:
+            eos = eos_at(prompts, *eos_at_row_step)
+        show = f"prompts of lengths {[len(q) for q in prompts]}, max_new_tokens={n}, eos_token_id={eos!r}" + (
+            f" (the token row {eos_at_row_step[0]} produces at step {eos_at_row_step[1]})" if eos_at_row_step
+            else "")
+        return Case(name, lambda: (copy.deepcopy(prompts), n, eos), show)
 
     cases = [
         case("one prompt", _prompts(31, [6]), 6),

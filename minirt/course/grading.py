@@ -49,6 +49,7 @@ DEFAULT_WALL_TIMEOUT = 900          # seconds the whole notebook may run (kernel
 LOG_CAP = 64 * 1024                 # bytes of what a notebook prints kept for diagnostics
 OUTPUT_LIMIT = 16 * 2**20           # bytes a notebook may print before its worker is stopped
 MAX_MESSAGE = 64 * 2**20            # bytes of one protocol message from the worker
+MAX_NOTE = 1500                     # characters of a failing case's message kept as its task's note
 GRACE = 5.0                         # seconds the grader waits past a deadline the worker enforces itself
 CHECK_CALL = re.compile(r"checks\s*\.\s*(ex\d\d)_(\w+)\s*\(")
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
@@ -176,7 +177,9 @@ def make_plan(nb, specs: list[TaskSpec], cell_timeout: float):
     _, cell_of_task, problems = prepare(nb, specs)
     by_task = {s.task: s for s in specs}
     cells, sources = [], []
-    for index, cell in enumerate(c for c in nb.cells if c.cell_type == "code"):
+    code_cells = [c for c in nb.cells if c.cell_type == "code"]
+    where = cell_places(nb)
+    for index, cell in enumerate(code_cells):
         task = cell_of_task.get(index)
         if task is not None:
             arg = _check_arg(by_task[task].source)
@@ -185,9 +188,23 @@ def make_plan(nb, specs: list[TaskSpec], cell_timeout: float):
                 continue
             cells.append({"task": task, "arg": arg})
         else:
-            cells.append({"source": cell.source})
+            cells.append({"source": cell.source, "where": where[index]})
             sources.append(cell.source)
     return {"cell_timeout": cell_timeout, "cells": cells}, problems, sources
+
+
+def cell_places(nb) -> list[str]:
+    """For each code cell, where a student finds it: "cell 7 (under 'Task 2 — the naive loop')", counting every
+    cell from 1 as JupyterLab shows them, with the nearest markdown heading above it. (nbval's "Cell N"
+    counts code cells only, from 0.)"""
+    places, heading = [], None
+    for number, cell in enumerate(nb.cells, 1):
+        if cell.cell_type == "markdown":
+            found = [ln.lstrip("#").strip() for ln in cell.source.split("\n") if re.match(r"#{1,6}\s", ln)]
+            heading = found[-1] if found else heading
+        elif cell.cell_type == "code":
+            places.append(f"cell {number}" + (f" (under '{heading[:60]}')" if heading else ""))
+    return places
 
 
 class Expectations:
@@ -303,9 +320,11 @@ def _outcome_of(reply: dict):
     raise ValueError(f"unexpected reply kind {kind!r}")
 
 
-def _first_line(message: str) -> str:
-    first = message.strip().split("\n")[0]
-    return first if len(first) <= 200 else first[:200] + "..."
+def _case_note(message: str, limit: int = MAX_NOTE) -> str:
+    """A failing case's message as the note of its task: the case, its inputs, expected and got (the same
+    text the check cell shows in the notebook), cut at `limit` characters."""
+    text = message.strip()
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _judge_task(conn: Connection, task: str, expectations: Expectations, timeout: float) -> tuple[bool, str | None]:
@@ -332,7 +351,7 @@ def _judge_task(conn: Connection, task: str, expectations: Expectations, timeout
             return False, f"the worker's answer is not valid data ({str(e)[:100]})"
         message = checks.compare(task, i, case, n, expected, got[:2], got[2])
         if message is not None:
-            return False, _first_line(message)
+            return False, _case_note(message)
     return True, None
 
 
@@ -397,7 +416,11 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
             if event == "done":
                 break
             if event == "cell":
-                cell_error = msg.get("error") or cell_error
+                if msg.get("error"):
+                    index = msg.get("index")
+                    place = plan["cells"][index].get("where", "") if isinstance(index, int) and \
+                        0 <= index < len(plan["cells"]) else ""
+                    cell_error = (place, str(msg["error"]))
                 continue
             if event != "task":
                 continue
@@ -409,10 +432,11 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
             if task in notes:                                   # edited, or minirt's own: no cases run
                 pass
             elif msg.get("error"):
-                why = "timeout" if msg["error"] == "timeout" else str(cell_error or "")
+                place, error = cell_error or ("", "")
+                why = "timeout" if "timeout" in (msg["error"], error) else (f"{place}: {error}" if place else error)
                 notes[task] = (f"timed out (a cell ran over {cell_timeout:g} s)" if why == "timeout" else
                                f"the task's function could not be taken: {str(msg['error'])[:150]}"
-                               + (f" (a cell before failed: {why[:100]})" if why else ""))
+                               + (f" (a cell before failed: {why[:200]})" if why else ""))
             elif (found := provenance.judge_identity(msg.get("identity"), task)):
                 notes[task] = found
             else:
@@ -570,7 +594,7 @@ def format_table(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> str:
         name = Path(r["submission"]).name
         if r["status"] not in ("", "finished"):
             notes.append(f"  {name}: {r['status']}")
-        notes += [f"  {name} {t}: {n}" for t, n in r["notes"].items()]
+        notes += [f"  {name} {t}: " + n.replace("\n", "\n      ") for t, n in r["notes"].items()]
     kinds = sorted({r.get("sandbox") for r in rows if r.get("sandbox")})
     footer = [f"sandbox: {', '.join(kinds)}"] if kinds else []
     return "\n".join(lines + (["", "notes:", *notes] if notes else []) + footer)

@@ -1,0 +1,212 @@
+"""Every check case's label agrees with its data: what a label claims ("EOS first produced at step 3",
+"-> ValueError", "refused", "preemption by recompute", "block boundary B+1", ...) is checked against the case's
+inputs and the reference's own outcome on them. Each rule must match at least one case, so a renamed label
+cannot make a rule vacuous."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from minirt.course import checks
+
+
+def _rows():
+    """(task, case name, inputs, (kind, value) of the reference) of every case of every task."""
+    out = []
+    for task in checks.TASKS:
+        spec = checks.SPECS[task]()
+        for case in spec.cases:
+            out.append((task, case.name, case.make(), checks.reference_outcome(spec, case)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return _rows()
+
+
+def _raised(outcome, error: str) -> bool:
+    kind, value = outcome
+    if kind == "raised":
+        return type(value).__name__ == error
+    last = value[-1] if isinstance(value, list) and value and isinstance(value[-1], dict) else {}
+    return str(last.get("returned", "")).startswith(f"raised {error}")
+
+
+def _eos_first_at(m, inputs, outcome):
+    _, n, eos = inputs
+    out, k = outcome[1], int(m.group(1))
+    return len(out) == k + 1 and out[-1] == eos and eos not in out[:-1] and k + 1 <= n
+
+
+def _late_eos(m, inputs, outcome):
+    return _eos_first_at(m, inputs, outcome) and int(m.group(1)) >= 3 and int(m.group(1)) + 1 < inputs[1]
+
+
+def _eos_first_step(m, inputs, outcome):
+    _, n, eos = inputs
+    out = outcome[1]
+    rows = out if out and isinstance(out[0], list) else [out]
+    return n > 1 and all(r == [eos] for r in rows)
+
+
+def _eos_never(m, inputs, outcome):
+    _, n, eos = inputs
+    out = outcome[1]
+    rows = out if out and isinstance(out[0], list) else [out]
+    return all(eos not in r and len(r) == n for r in rows)
+
+
+def _one_row_early(m, inputs, outcome):
+    _, n, eos = inputs
+    rows = outcome[1]
+    return any(r[-1] == eos and len(r) < n for r in rows) and any(len(r) == n and eos not in r for r in rows)
+
+
+def _span(inputs):
+    _, start, end, B = inputs
+    return end - start, B, start
+
+
+def _boundary(m, inputs, outcome):
+    length, B, start = _span(inputs)
+    return start == 0 and length == B + {None: 0, "-1": -1, "+1": 1}[m.group(1)]
+
+
+def _finish(reason):
+    return lambda m, inputs, outcome: outcome[1][-1]["finish_reason"] == reason
+
+
+def _ignore_eos(m, inputs, outcome):
+    trace = outcome[1]
+    return checks.ToyTokenizer.eos_token_id in trace[-1]["token_ids"][2:] and trace[-1]["finish_reason"] != "stop"
+
+
+def _refused(m, inputs, outcome):
+    return any(step["returned"] is False for step in outcome[1])
+
+
+def _filled_up(m, inputs, outcome):
+    returned = [step["returned"] for step in outcome[1]]
+    return returned[0] is True and returned[-1] is False and True in returned[:-1]
+
+
+def _hits(m, inputs, outcome):
+    return outcome[1][-1]["prefix_cache_hits"] > 0
+
+
+def _no_hits(m, inputs, outcome):
+    return outcome[1][-1]["prefix_cache_hits"] == 0
+
+
+def _preempted(m, inputs, outcome):
+    seen_running: set[str] = set()
+    for step in outcome[1]:
+        if seen_running & set(step.get("waiting", [])):
+            return True
+        seen_running |= set(step.get("running", []))
+    return False
+
+
+def _shared_blocks(m, inputs, outcome):
+    for step in outcome[1]:
+        tables = list(step.get("block_tables", {}).values())
+        if any(set(a) & set(b) for i, a in enumerate(tables) for b in tables[i + 1:]):
+            return True
+    return False
+
+
+def _nobody_overtakes(m, inputs, outcome):
+    first = {}
+    for step in outcome[1]:
+        for rid, _ in step["batch"]:
+            first.setdefault(rid, step["step"])
+    return first["big"] <= first["small"]
+
+
+def _empty_splits(m, inputs, outcome):
+    _, mx, _ = inputs
+    return bool(torch.isinf(mx).any()) and not bool(torch.isinf(mx).all())
+
+
+# (task prefix, label pattern, predicate(match, inputs, reference outcome))
+RULES = [
+    ("", r"-> (\w+Error)$", lambda m, i, o: _raised(o, m.group(1))),
+    ("", r"raises (\w+Error)$", lambda m, i, o: _raised(o, m.group(1))),
+    ("ex01.naive_generate", r"^EOS first produced at step (\d+)", _eos_first_at),
+    ("ex01.naive_generate", r"^late EOS: first produced at step (\d+)", _late_eos),
+    ("ex0", r"^EOS (?:produced )?at the first step", _eos_first_step),
+    ("ex0", r"^EOS never produced", _eos_never),
+    ("ex02.kv_cache_generate", r"^EOS ends one row early, others go on", _one_row_early),
+    ("ex03.slot_mapping", r"^block boundary B([+-]1)?$", _boundary),
+    ("ex03.slot_mapping", r"^exactly one block$", lambda m, i, o: _span(i) == (i[3], i[3], 0)),
+    ("ex03.slot_mapping", r"^empty range", lambda m, i, o: _span(i)[0] == 0),
+    ("ex03.slot_mapping", r"^one token$", lambda m, i, o: _span(i)[0] == 1),
+    ("ex04.block_hashes", r"\(B([+-]1)?\)", lambda m, i, o: len(i[0]) == i[1] + int(m.group(1) or 0)),
+    ("ex04.block_hashes", r"^2B-1 tokens", lambda m, i, o: len(i[0]) == 2 * i[1] - 1),
+    ("ex04.match", r"^(?:empty cache|first block differs: no hit|prefix caching disabled)",
+     lambda m, i, o: o[1]["returned"] == []),
+    ("ex04.match", r"^(?:shared prefix of two blocks|prompt of exactly 2B tokens: one block)",
+     lambda m, i, o: len(o[1]["returned"]) == {"shared": 2, "prompt": 1}[m.group(0).split()[0]]),
+    ("ex05.append_token", r"'stop'", _finish("stop")),
+    ("ex05.append_token", r"'length'|^length limit", _finish("length")),
+    ("ex05.append_token", r"^ignore_eos", _ignore_eos),
+    ("ex05.try_allocate", r"refused", _refused),
+    ("ex05.try_allocate", r"^pool filled up", _filled_up),
+    ("ex05.try_allocate", r"^prefix hit", _hits),
+    ("ex05.try_allocate", r"no hits", _no_hits),
+    ("ex06.split_budget", r"^more decodes than budget", lambda m, i, o: i[1] > i[0]),
+    ("ex06.split_budget", r"^budget of one token", lambda m, i, o: i[0] == 1),
+    ("ex06.schedule", r"preemption", _preempted),
+    ("ex06.schedule", r"^prefix cache hits", _shared_blocks),
+    ("ex06.schedule", r"nobody overtakes", _nobody_overtakes),
+    ("ex06.schedule", r"^budget of one token", lambda m, i, o: i[0]["max_num_batched_tokens"] == 1),
+    ("ex07.combine_splits", r"empty splits", _empty_splits),
+    ("ex07.combine_splits", r"^one split", lambda m, i, o: i[1].shape[-1] == 1),
+]
+
+
+def labels_against_data(rows) -> tuple[list[str], set[int]]:
+    """(the cases whose data contradicts their label, the indices of the rules that matched some case)."""
+    wrong, used = [], set()
+    for task, name, inputs, outcome in rows:
+        for k, (prefix, pattern, holds) in enumerate(RULES):
+            m = re.search(pattern, name)
+            if task.startswith(prefix) and m:
+                used.add(k)
+                try:
+                    ok = holds(m, inputs, outcome)
+                except (KeyError, IndexError, TypeError, AttributeError) as e:
+                    ok, name = False, f"{name} ({type(e).__name__}: {e})"
+                if not ok:
+                    wrong.append(f"{task} '{name}': the label says {pattern!r}; the data does not")
+    return wrong, used
+
+
+def test_every_case_label_agrees_with_its_data(rows):
+    wrong, used = labels_against_data(rows)
+    assert not wrong, "\n".join(wrong)
+    unused = [RULES[k][:2] for k in range(len(RULES)) if k not in used]
+    assert not unused, f"rules that match no case (a label was renamed?): {unused}"
+
+
+def test_the_label_rules_catch_a_false_label(rows):
+    """The rules themselves: exercise 01's old case (EOS = "the token at step 3" of a prompt whose model output
+    repeats one token, so the reference stops at step 0) and a refusal that admits are caught."""
+    from minirt.generate import naive_generate
+
+    model = checks.tiny_model()
+    prompt = checks._prompts(11, [1, 2, 7, 20, 33])[3]
+    out = naive_generate(model, prompt, 8)
+    eos = out[3]
+    assert eos in out[:3]                                  # the tiny model repeats itself here
+    bad = [("ex01.naive_generate", "EOS first produced at step 3", (prompt, 8, eos),
+            ("ok", naive_generate(model, prompt, 8, eos)))]
+    admit = next(r for r in rows if r[0] == "ex05.try_allocate" and "refused" in r[1])
+    trace = [dict(step, returned=True) for step in admit[3][1]]
+    bad.append((admit[0], admit[1], admit[2], ("ok", trace)))
+    wrong, _ = labels_against_data(bad)
+    assert len(wrong) == 2, wrong
