@@ -36,7 +36,6 @@ class EngineConfig:
     max_prefill_chunk: the most prompt tokens one request may prefill in one step.
     max_model_len: prompt + max_new_tokens limit (None = the model's max_position_embeddings).
     enable_prefix_caching: share full KV blocks between requests with equal prefixes.
-    tensor_parallel_size: processes the model is sharded over (chapter 09, `minirt.parallel`; 1: this process only).
 
     Chapter 07's speed switches, resolved into a `minirt.fast.Plan` by `minirt.fast.resolve_plan` (its table
     `RULES` says what each needs and where None turns it on; `engine.plan` holds what runs):
@@ -62,7 +61,6 @@ class EngineConfig:
     max_prefill_chunk: int = 1024
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
-    tensor_parallel_size: int = 1
     # chapter 07
     attention_backend: str = "auto"
     split_kv: bool = True
@@ -78,6 +76,8 @@ class EngineConfig:
     combine_in_attention: bool | None = False
     prefetch_kv: bool | None = None
     l2_prefetch: bool | None = None
+    # chapter 09: processes the model is sharded over (`minirt.parallel`; 1: this process only)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",

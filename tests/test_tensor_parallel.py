@@ -210,7 +210,8 @@ def test_the_plan_turns_off_what_the_ranks_cannot_run():
 
 
 # ------------------------------------------------------------------------------------------ a world of one; GPUs
-@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (NCCL in a world of one)"))])
 def test_runner_in_a_world_of_one_equals_the_reference(tiny_models, engines, device):
     """The TP runner (gloo on the CPU, NCCL on a GPU) with one rank: sharding, collectives and step path, no spawn.
     Runs after the module's TP engine is built, which holds this process's group: that one is refused first."""
