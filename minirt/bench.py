@@ -40,8 +40,9 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from minirt.attention import CUDA_SDPA_BACKENDS
-from minirt.config import EngineConfig
+from minirt.config import ATTENTION_BACKENDS, EngineConfig
 from minirt.fast import resolve_plan
+from minirt.fast.flash_attn import FlashAttnPagedAttention
 
 # Qwen3-0.6B's configuration (Qwen/Qwen3-0.6B config.json), built with random weights: no download needed.
 QWEN3_0_6B = {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
@@ -252,7 +253,7 @@ def environment(device: torch.device) -> tuple[dict, dict]:
             name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), name)
     versions = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
                 "transformers": transformers.__version__, "minirt": minirt.__version__}
-    for package in ("triton", "flash-attn"):
+    for package in ("triton", "flash-attn", "flash-attn-4"):
         try:
             versions[package] = importlib.metadata.version(package)
         except importlib.metadata.PackageNotFoundError:
@@ -293,6 +294,8 @@ def kernel_name(runner) -> str:
     kernel = getattr(runner, "kernel", None)
     if kernel is None:
         return "paged_attention_reference"
+    if isinstance(kernel, FlashAttnPagedAttention):
+        return f"flash_attn ({kernel.name})"
     if not hasattr(kernel, "func"):
         return kernel.__name__
     return f"{kernel.func.__name__}{ {k: v for k, v in kernel.keywords.items() if k != 'split_counters'} }"
@@ -435,8 +438,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated hf_generate,hf_generate_batch (default: both on cuda, hf_generate on cpu)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
-                   help="minirt's attention kernel (EngineConfig.attention_backend)")
+    p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto",
+                   help="the attention kernel (EngineConfig.attention_backend; flash_attn: the flash-attn package)")
     p.add_argument("--no-split-kv", action="store_true", help="minirt's Triton kernel without split-KV decode")
     p.add_argument("--enforce-eager", action="store_true", help="minirt without CUDA graphs")
     p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,

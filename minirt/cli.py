@@ -1,6 +1,7 @@
 """Command line: `python -m minirt demo` runs the asyncio engine on a batch of corpus prompts;
 `python -m minirt generate "PROMPT"` streams one completion; `python -m minirt exercise start ex03` copies an
-exercise into a work folder; `grade` and `bench` as their modules say."""
+exercise into a work folder; `python -m minirt serve` is the OpenAI-compatible server; `grade`, `bench` and
+`bench-serve` as their modules say."""
 
 from __future__ import annotations
 
@@ -109,11 +110,18 @@ def main(argv: list[str] | None = None) -> int:
     _engine_args(gen)
     from minirt import bench
     from minirt.course import grading, work
+    from minirt.serve import bench as serve_bench, server
 
     grading.add_parser(sub)
     bench.add_parser(sub)
     work.add_parser(sub)
+    server.add_parser(sub)
+    serve_bench.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return server.run(args)
+    if args.command == "bench-serve":
+        return serve_bench.run(args)
     if args.command == "grade":
         return grading.run(args)
     if args.command == "exercise":

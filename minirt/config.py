@@ -12,7 +12,7 @@ import difflib
 import inspect
 from dataclasses import dataclass
 
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 #: Switches that are True, False or None (None: on where the rules of `minirt.fast.plan` say it pays).
 AUTO_SWITCHES = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl",
@@ -39,8 +39,8 @@ class EngineConfig:
 
     Chapter 07's speed switches, resolved into a `minirt.fast.Plan` by `minirt.fast.resolve_plan` (its table
     `RULES` says what each needs and where None turns it on; `engine.plan` holds what runs):
-    attention_backend: "auto", "torch" (`minirt.attention.paged_attention_reference`) or "triton"
-    (`minirt.kernels.paged_attention_triton`). split_kv: let small decode batches share a sequence's keys among
+    attention_backend: "auto", "torch" (`minirt.attention.paged_attention_reference`), "triton"
+    (`minirt.kernels.paged_attention_triton`) or "flash_attn" (the flash-attn package, `minirt.fast.flash_attn`). split_kv: let small decode batches share a sequence's keys among
     several programs of the Triton kernel (flash-decoding). enforce_eager: never capture CUDA graphs.
     fused_ops: norms, the rotation and SiLU-and-multiply compiled by `torch.compile`. merge_projections: one GEMM
     for q/k/v and one for gate/up. gemv: one-row products through the Triton matrix-vector kernel.

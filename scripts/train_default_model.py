@@ -173,8 +173,15 @@ def train_tokenizer(texts: list[str], vocab_size: int = 4096):
     )
 
 
+#: The chat template (Jinja, as transformers' `apply_chat_template` reads it): each message as a speech of a
+#: play, the role in capitals as the speaker's name, which is the form the model saw in training. The
+#: OpenAI-compatible server's /v1/chat/completions goes through it.
+CHAT_TEMPLATE = ("{% for message in messages %}{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n"
+                 "{% endfor %}{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
+
+
 def save_tokenizer(tokenizer, out: Path) -> None:
-    """``save_pretrained`` plus one compatibility tweak.
+    """``save_pretrained`` plus the chat template and one compatibility tweak.
 
     transformers 5 records ``"tokenizer_class": "TokenizersBackend"``, a name
     transformers 4 does not know; ``PreTrainedTokenizerFast`` loads the same
@@ -185,6 +192,7 @@ def save_tokenizer(tokenizer, out: Path) -> None:
     path = out / "tokenizer_config.json"
     cfg = json.loads(path.read_text())
     cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg["chat_template"] = CHAT_TEMPLATE
     for key in ("is_local", "local_files_only"):  # loader state some 5.x versions leak into the file
         cfg.pop(key, None)
     path.write_text(json.dumps(cfg, indent=2) + "\n")

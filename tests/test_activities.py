@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS_DIR = ROOT / "chapters"
 NOTEBOOKS = sorted(CHAPTERS_DIR.glob("ch[0-9][0-9]_*.ipynb"))
 DATA_FILES = sorted(activities.QUIZ_DIR.glob("ch[0-9][0-9].json"))
-ALL_CHAPTERS = [f"ch{n:02d}" for n in range(7)]
+ALL_CHAPTERS = sorted({f"ch{n:02d}" for n in range(7)} | {p.stem for p in DATA_FILES})
 
 sys.path.insert(0, str(ROOT / "tools"))
 import add_activities  # noqa: E402

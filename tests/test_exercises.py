@@ -40,7 +40,7 @@ def _nbval():
 def test_six_exercises_with_at_least_two_graded_tasks_each():
     import nbformat
     names = [p.name for p in SOLUTIONS]
-    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex09"], names
+    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09"], names
     assert [p.name for p in EXERCISES] == names
     for path in SOLUTIONS:
         nb = nbformat.read(path, as_version=4)
@@ -165,6 +165,9 @@ REFERENCES = {
     "ex06.schedule": lambda scheduler: scheduler.schedule(),
     "ex07.capture_sizes": "minirt.fast.cuda_graphs:capture_sizes",
     "ex07.combine_splits": "minirt.fast.attention:combine_splits",
+    "ex08.delta_chunks": "minirt.serve.protocol:delta_chunks",
+    "ex08.admission": "minirt.serve.app:admission",
+    "ex08.goodput": "minirt.serve.bench:goodput",
     "ex09.column_parallel": "minirt.parallel.sharding:column_parallel",
     "ex09.row_parallel": "minirt.parallel.sharding:RowParallelLinear",
     "ex09.vocab_parallel_embedding": "minirt.parallel.sharding:VocabParallelEmbedding",
@@ -356,6 +359,19 @@ def _combine_splits_without_the_max(acc, m, l):     # exact in exact arithmetic;
     return (weights[..., None] * acc).sum(-2) / (weights * l).sum(-1, keepdim=True)
 
 
+def _delta_chunks_dropping_the_finish(delta, head, chat, first, include_usage):
+    """Sends only text: a last delta without text (a stop string cut from the end) loses its finish_reason."""
+    from minirt.serve.protocol import delta_chunks
+
+    if not delta.text and not (chat and first):
+        return [c for c in delta_chunks(delta, head, chat, first, include_usage) if not c["choices"]]
+    return delta_chunks(delta, head, chat, first, include_usage)
+
+
+def _goodput_failing_one_token_requests(results, duration_s, ttft_slo_s, tpot_slo_s):
+    """Counts a request without a TPOT (one token) as missing the TPOT SLO."""
+    return sum(r["ok"] and r["ttft_s"] <= ttft_slo_s and r["tpot_s"] is not None and r["tpot_s"] <= tpot_slo_s
+               for r in results) / duration_s
 def _column_parallel_strided(linear, rank, world_size):       # every world_size-th row: heads torn apart
     import torch
 
@@ -411,6 +427,9 @@ WRONG = [
     ("ex06.schedule", _schedule_letting_small_requests_overtake, "head-of-line"),
     ("ex07.capture_sizes", lambda n: [1, 2, 4, 8] + list(range(16, n + 1, 16)), "max_num_seqs=1"),
     ("ex07.combine_splits", _combine_splits_without_the_max, "large scores"),
+    ("ex08.delta_chunks", _delta_chunks_dropping_the_finish, "the last delta, no text"),
+    ("ex08.admission", lambda waiting, limit, draining: None if waiting < limit else (429, "busy"), "draining=True"),
+    ("ex08.goodput", _goodput_failing_one_token_requests, "no TPOT"),
     ("ex09.column_parallel", _column_parallel_strided, "two ranks"),
     ("ex09.row_parallel", _row_parallel_bias_on_every_rank(), "two ranks, bias"),
     ("ex09.vocab_parallel_embedding", _vocab_embedding_without_the_mask(), "two ranks"),

@@ -11,7 +11,7 @@ except ModuleNotFoundError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[1]
-OPTIONAL_ONLY = {"flash-attn"}  # GPU-only extra: listed in environment.yml as a comment, not installed
+OPTIONAL_ONLY = {"flash-attn", "flash-attn-4"}  # GPU-only extras: in environment.yml as comments, not installed
 
 
 def _norm(req: str) -> str:
@@ -69,6 +69,7 @@ def test_pyproject_metadata():
     assert {_norm(d) for d in extras["notebooks"]} >= {"jupyterlab", "ipywidgets", "matplotlib", "nbval",
                                                       "nbclient", "nbformat"}
     assert {_norm(d) for d in extras["flash"]} == {"flash-attn"}
+    assert {_norm(d) for d in extras["flash4"]} == {"flash-attn-4"}
     torch_req = next(d for d in proj["dependencies"] if _norm(d) == "torch")
     assert ">=2.4" in torch_req.replace(" ", "")
 

@@ -16,22 +16,30 @@ from minirt.fast import Hardware, Plan, resolve_plan
 ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
           "combine_in_attention", "prefetch_kv", "l2_prefetch")
 #: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
-NEEDS = {"split_kv": ["triton"], "cuda_graphs": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
+#: (cuda_graphs needs the Triton kernel or flash-attn's: `expected` below)
+NEEDS = {"split_kv": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
          "kv_write_in_rotary": ["rotary_kernel"], "combine_in_attention": ["triton", "split_kv"],
          "prefetch_kv": ["pdl", "split_kv", "triton"], "l2_prefetch": ["gemv", "merge_projections"]}
+NO_FLASH = ("flash-attn-4 or flash-attn installed (pip install flash-attn-4; got ...)",)
 MACHINES = {
-    "cpu": Hardware("cpu", ("a CUDA device (got cpu)",), (), ("a CUDA device (got cpu)",)),
-    "cuda, no triton": Hardware("cuda", ("Triton installed (it is not)",), (), ("Triton installed (it is not)",)),
-    "ampere": Hardware("cuda", (), (), ("compute capability 9.0 or later (got 8.0)",)),
-    "hopper, odd head_dim": Hardware("cuda", (), ("a power-of-two head_dim >= 16 (got 80)",), ()),
-    "hopper": Hardware("cuda", (), (), ()),
+    "cpu": Hardware("cpu", ("a CUDA device (got cpu)",), (), ("a CUDA device (got cpu)",), ("a CUDA device (got cpu)",)),
+    "cuda, no triton": Hardware("cuda", ("Triton installed (it is not)",), (), ("Triton installed (it is not)",),
+                                NO_FLASH),
+    "cuda, no triton, flash-attn": Hardware("cuda", ("Triton installed (it is not)",), (),
+                                            ("Triton installed (it is not)",), ()),
+    "ampere": Hardware("cuda", (), (), ("compute capability 9.0 or later (got 8.0)",), NO_FLASH),
+    "ampere, flash-attn": Hardware("cuda", (), (), ("compute capability 9.0 or later (got 8.0)",), ()),
+    "hopper, odd head_dim": Hardware("cuda", (), ("a power-of-two head_dim >= 16 (got 80)",), (), ()),
+    "hopper, float32": Hardware("cuda", (), (), (), ("dtype float16 or bfloat16 (got float32)",)),
+    "hopper": Hardware("cuda", (), (), (), ()),
 }
 
 
 def can_run(name: str, hw: Hardware) -> bool:
     """What the machine itself allows each switch (before the switches it needs)."""
     triton, head_dim, pdl = not hw.triton, not hw.head_dim, not hw.pdl
-    return {"triton": triton and head_dim, "rotary_kernel": triton and head_dim, "gemv": triton,
+    return {"flash_attn": not hw.flash_attn, "triton": triton and head_dim, "rotary_kernel": triton and head_dim,
+            "gemv": triton,
             "fused_ops": triton or hw.device_type != "cuda",     # Inductor needs Triton for CUDA tensors
             "cuda_graphs": hw.device_type == "cuda", "pdl": pdl, "l2_prefetch": pdl, "prefetch_kv": pdl}.get(name, True)
 
@@ -39,21 +47,25 @@ def can_run(name: str, hw: Hardware) -> bool:
 def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     """The plan as the contract says, or the name of the first switch that must be refused."""
     asked = {name: getattr(cfg, name) for name in ON_OFF}
-    asked["triton"] = {"auto": None, "triton": True, "torch": False}[cfg.attention_backend]
+    asked["flash_attn"] = cfg.attention_backend == "flash_attn"            # "auto" never picks it (measured)
+    asked["triton"] = {"auto": None, "triton": True, "torch": False, "flash_attn": False}[cfg.attention_backend]
     asked["split_kv"] = None if cfg.split_kv else False
     asked["cuda_graphs"] = False if cfg.enforce_eager else None
     on = {}
-    order = ["triton", "split_kv", "cuda_graphs", "fused_ops", "merge_projections", "gemv", "norm_in_gemv",
+    order = ["flash_attn", "triton", "split_kv", "cuda_graphs", "fused_ops", "merge_projections", "gemv", "norm_in_gemv",
              "rotary_kernel", "pdl", "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch"]
     auto = {"fused_ops": lambda: hw.device_type == "cuda", "merge_projections": lambda: hw.device_type == "cuda",
             "gemv": lambda: on["cuda_graphs"], "rotary_kernel": lambda: on["cuda_graphs"],
             "pdl": lambda: on["cuda_graphs"], "combine_in_attention": lambda: False, "l2_prefetch": lambda: on["pdl"]}
     for name in order:
         possible = can_run(name, hw) and all(on[n] for n in NEEDS.get(name, []))
+        if name == "cuda_graphs":                       # a kernel that can be captured: Triton's or flash-attn's
+            possible = can_run(name, hw) and (on["triton"] or on["flash_attn"])
         if asked[name] is True and not possible:
-            return "attention_backend" if name == "triton" else name
+            return "attention_backend" if name in ("triton", "flash_attn") else name
         on[name] = asked[name] if asked[name] is not None else possible and auto.get(name, lambda: True)()
-    on["attention_backend"] = "triton" if on.pop("triton") else "torch"
+    flash, triton = on.pop("flash_attn"), on.pop("triton")
+    on["attention_backend"] = "flash_attn" if flash else "triton" if triton else "torch"
     on["num_scheduler_steps"] = cfg.num_scheduler_steps or (8 if on["cuda_graphs"] else 1)
     return on
 
@@ -62,7 +74,7 @@ settings_strategy = st.builds(
     lambda values, backend, split_kv, eager, steps: EngineConfig(attention_backend=backend, split_kv=split_kv,
                                                                  enforce_eager=eager, num_scheduler_steps=steps,
                                                                  **dict(zip(ON_OFF, values))),
-    st.tuples(*[st.sampled_from([None, True, False])] * len(ON_OFF)), st.sampled_from(["auto", "torch", "triton"]),
+    st.tuples(*[st.sampled_from([None, True, False])] * len(ON_OFF)), st.sampled_from(["auto", "torch", "triton", "flash_attn"]),
     st.booleans(), st.booleans(), st.sampled_from([None, 1, 4]))
 
 

@@ -1155,6 +1155,107 @@ def ex07_combine_splits() -> Spec:
     return Spec(reference, cases)
 
 
+# ============================================================================== ex08: serving
+
+
+def _delta(text: str, token_ids: list[int], finished: bool = False, reason: str | None = None,
+           prompt_len: int = 3, num_generated: int = 5):
+    from minirt.request import RequestOutput, StreamDelta
+
+    output = None
+    if finished:
+        output = RequestOutput("cmpl-1", None, list(range(prompt_len)), list(range(num_generated)), "(all text)", reason)
+    return StreamDelta("cmpl-1", list(token_ids), text, finished, reason, output)
+
+
+@_task
+def ex08_delta_chunks() -> Spec:
+    """Check `delta_chunks(delta, head, chat, first, include_usage) -> list[dict]`."""
+    from minirt.serve.protocol import delta_chunks as reference
+
+    head = {"id": "cmpl-1", "created": 1700000000, "model": "default_model"}
+
+    def case(name, delta, chat, first, usage):
+        show = (f"delta(text={delta.text!r}, token_ids={delta.token_ids}, finished={delta.finished}, "
+                f"finish_reason={delta.finish_reason!r}), chat={chat}, first={first}, include_usage={usage}")
+        return Case(name, lambda: (delta, dict(head), chat, first, usage), show)
+
+    cases = [
+        case("completion: a piece of text", _delta(" the", [7]), False, True, False),
+        case("completion: a later piece", _delta(" king", [9, 4]), False, False, False),
+        case("completion: no text yet (held back)", _delta("", [11]), False, False, False),
+        case("completion: the last delta, with text", _delta(" end", [3], True, "length"), False, False, False),
+        case("completion: the last delta, no text", _delta("", [], True, "stop"), False, False, False),
+        case("completion: usage on", _delta(" the", [7]), False, True, True),
+        case("completion: the last delta, usage on", _delta(" end", [3], True, "length", 4, 9), False, False, True),
+        case("chat: the first delta carries the role", _delta("Who", [5]), True, True, False),
+        case("chat: the first delta without text still announces the role", _delta("", [5]), True, True, False),
+        case("chat: a later delta", _delta(" goes", [6]), True, False, False),
+        case("chat: a later delta without text", _delta("", [6]), True, False, False),
+        case("chat: the last delta, no text", _delta("", [], True, "stop"), True, False, False),
+        case("chat: the last delta, with text", _delta(" there", [8], True, "length"), True, False, False),
+        case("chat: first and last at once, usage on", _delta("Hi", [2], True, "stop", 6, 1), True, True, True),
+        case("chat: usage on, a middle delta", _delta(" goes", [6]), True, False, True),
+    ]
+    return Spec(reference, cases)
+
+
+@_task
+def ex08_admission() -> Spec:
+    """Check `admission(num_waiting, max_waiting, draining) -> None | (status, reason)` (the status only)."""
+    from minirt.serve.app import admission as reference
+
+    cases = [Case(f"num_waiting={w}, max_waiting={m}, draining={d}", lambda w=w, m=m, d=d: (w, m, d),
+                  f"num_waiting={w}, max_waiting={m}, draining={d}")
+             for w, m, d in [(0, 1, False), (0, 256, False), (1, 1, False), (255, 256, False), (256, 256, False),
+                             (300, 256, False), (0, 1, True), (5, 1, True), (3, 4, False)]]
+
+    def run(f, inputs):
+        out = f(*inputs)
+        return out if out is None else out[0]        # the status decides; the reason's wording is yours
+    return Spec(reference, cases, run=run)
+
+
+def _results(seed: int, n: int) -> list[dict]:
+    rng = _rng(seed)
+    out = []
+    for i in range(n):
+        ok = rng.random() > 0.1
+        tokens = rng.choice([1, 2, 16, 32])
+        out.append({"ok": ok, "ttft_s": round(rng.uniform(0.01, 0.6), 4) if ok else None,
+                    "tpot_s": (round(rng.uniform(0.005, 0.09), 4) if tokens > 1 else None) if ok else None,
+                    "output_tokens": tokens if ok else 0})
+    return out
+
+
+@_task
+def ex08_goodput() -> Spec:
+    """Check `goodput(results, duration_s, ttft_slo_s, tpot_slo_s) -> float` (requests/s)."""
+    from minirt.serve.bench import goodput as reference
+
+    def case(name, results, duration, ttft, tpot):
+        return Case(name, lambda: ([dict(r) for r in results], duration, ttft, tpot),
+                    f"{len(results)} results {_short(results, 160)}, duration_s={duration}, ttft_slo_s={ttft}, "
+                    f"tpot_slo_s={tpot}")
+
+    good = {"ok": True, "ttft_s": 0.1, "tpot_s": 0.02, "output_tokens": 8}
+    cases = [
+        case("no requests", [], 2.0, 0.5, 0.05),
+        case("one good request", [good], 2.0, 0.5, 0.05),
+        case("exactly at both SLOs (<=)", [{**good, "ttft_s": 0.5, "tpot_s": 0.05}], 1.0, 0.5, 0.05),
+        case("TTFT over the SLO", [{**good, "ttft_s": 0.51}], 1.0, 0.5, 0.05),
+        case("TPOT over the SLO", [{**good, "tpot_s": 0.051}], 1.0, 0.5, 0.05),
+        case("one token: no TPOT, meets that SLO", [{**good, "tpot_s": None, "output_tokens": 1}], 1.0, 0.5, 0.05),
+        case("a failed request never counts", [{"ok": False, "ttft_s": None, "tpot_s": None, "output_tokens": 0}],
+             1.0, 0.5, 0.05),
+        case("zero duration", [good], 0.0, 0.5, 0.05),
+        case("random, loose SLOs", _results(1, 40), 8.0, 1.0, 0.1),
+        case("random, tight SLOs", _results(2, 40), 8.0, 0.2, 0.03),
+        case("random, long run", _results(3, 200), 37.5, 0.3, 0.05),
+    ]
+    return Spec(reference, cases)
+
+
 # ============================================================================== ex09: tensor parallelism
 
 
@@ -1293,6 +1394,9 @@ TASKS: dict[str, Callable[[Callable], None]] = {
     "ex06.schedule": ex06_schedule,
     "ex07.capture_sizes": ex07_capture_sizes,
     "ex07.combine_splits": ex07_combine_splits,
+    "ex08.delta_chunks": ex08_delta_chunks,
+    "ex08.admission": ex08_admission,
+    "ex08.goodput": ex08_goodput,
     "ex09.column_parallel": ex09_column_parallel,
     "ex09.row_parallel": ex09_row_parallel,
     "ex09.vocab_parallel_embedding": ex09_vocab_parallel_embedding,
@@ -1315,6 +1419,9 @@ REFERENCE_NAMES: dict[str, tuple[str, ...]] = {
     "ex06.schedule": ("minirt.scheduler:Scheduler.schedule",),
     "ex07.capture_sizes": ("minirt.fast.cuda_graphs:capture_sizes",),
     "ex07.combine_splits": ("minirt.fast.attention:combine_splits",),
+    "ex08.delta_chunks": ("minirt.serve.protocol:delta_chunks",),
+    "ex08.admission": ("minirt.serve.app:admission",),
+    "ex08.goodput": ("minirt.serve.bench:goodput",),
     "ex09.column_parallel": ("minirt.parallel.sharding:column_parallel",),
     "ex09.row_parallel": ("minirt.parallel.sharding:RowParallelLinear",),
     "ex09.vocab_parallel_embedding": ("minirt.parallel.sharding:VocabParallelEmbedding",),

@@ -18,6 +18,7 @@ class KernelPagedAttention(PagedAttention):
                  store=store_kv):
         super().__init__(kv_cache, meta)
         self.kernel, self.store = kernel, store
+        self.prepared = None
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if q.shape[0] != 1:
@@ -28,13 +29,24 @@ class KernelPagedAttention(PagedAttention):
 
     def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         """Attention alone over layer `layer_idx`'s cache, whose slots `meta.slot_mapping` already hold this step's
-        K/V. q `[1, num_tokens, H, D]` -> `[1, num_tokens, H, D]`."""
+        K/V. q `[1, num_tokens, H, D]` -> `[1, num_tokens, H, D]`.
+
+        A kernel with `prepare(meta)` and `run(q, k_cache, v_cache, prepared)` (flash-attn's,
+        `minirt.fast.flash_attn`) gets its metadata prepared once per forward, at layer 0, where every forward
+        starts: also inside a CUDA graph's capture, and again in each step of a multi-step burst, whose inputs
+        move on in place."""
         k_cache, v_cache = self.kv_cache[layer_idx]
-        return self.kernel(q[0], k_cache, v_cache, self.meta)[None]
+        prepare = getattr(self.kernel, "prepare", None)
+        if prepare is None:
+            return self.kernel(q[0], k_cache, v_cache, self.meta)[None]
+        if layer_idx == 0 or self.prepared is None:
+            self.prepared = prepare(self.meta)
+        return self.kernel.run(q[0], k_cache, v_cache, self.prepared)[None]
 
 
 def attention_kernels(plan, device: torch.device, max_num_seqs: int, num_kv_heads: int):
-    """`(kernel, store)` for a plan (`minirt.fast.plan.Plan`): the torch reference, or the Triton kernels of
+    """`(kernel, store)` for a plan (`minirt.fast.plan.Plan`): the torch reference; flash-attn's kernel
+    (`minirt.fast.flash_attn`) with the Triton K/V write; or the Triton kernels of
     `minirt.kernels.paged_attention_triton` with the plan's split-KV, PDL, K/V prefetch and in-kernel combine.
 
     The K/V prefetch reads earlier steps' K/V before its PDL wait. That is safe because every forward pass of
@@ -42,6 +54,16 @@ def attention_kernels(plan, device: torch.device, max_num_seqs: int, num_kv_head
     only once every kernel before it has finished: earlier steps' K/V is final by then."""
     if plan.attention_backend == "torch":
         return paged_attention_reference, store_kv
+    from minirt.kernels import triton_missing
+
+    if plan.attention_backend == "flash_attn":
+        from minirt.fast.flash_attn import flash_attn_kernel
+
+        if triton_missing(device):
+            return flash_attn_kernel(), store_kv
+        from minirt.kernels.paged_attention_triton import store_kv_triton
+
+        return flash_attn_kernel(), functools.partial(store_kv_triton, pdl=plan.pdl)
     from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for, store_kv_triton
 
     options = {"pdl": plan.pdl, "prefetch_kv": plan.prefetch_kv}

@@ -29,26 +29,38 @@ class Hardware:
 
     triton: for any Triton kernel (a CUDA device, Triton installed). head_dim: for the Triton attention and rotary
     kernels, which also need a power-of-two head_dim >= 16. pdl: for programmatic dependent launch and the bulk
-    L2 prefetch (compute capability 9.0 or later, a Triton with `gdc_wait`).
+    L2 prefetch (compute capability 9.0 or later, a Triton with `gdc_wait`). flash_attn: for
+    `attention_backend="flash_attn"` with this dtype, head_dim and block_size (`minirt.fast.flash_attn`).
     """
 
     device_type: str
     triton: tuple[str, ...] = ()
     head_dim: tuple[str, ...] = ()
     pdl: tuple[str, ...] = ()
+    flash_attn: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, device: torch.device, head_dim: int) -> "Hardware":
+    def of(cls, device: torch.device, head_dim: int, dtype: torch.dtype | str | None = None, block_size: int = 16,
+           flash_attn: bool = True) -> "Hardware":
+        """What `device` lacks for a model of this head_dim run in `dtype` (None: the engine's default for the
+        device) with KV blocks of block_size tokens. flash_attn=False does not look for flash-attn (importing
+        flash-attn-4 takes seconds) and marks it missing."""
+        from minirt.fast.flash_attn import flash_attn_missing
+        from minirt.model.loader import resolve_dtype
+
         triton = tuple(triton_missing(device))
-        return cls(device.type, triton, tuple(triton_missing(device, head_dim)[len(triton):]), pdl_missing(device))
+        flash = (flash_attn_missing(device, head_dim, resolve_dtype(dtype, device), block_size) if flash_attn
+                 else ["attention_backend='flash_attn' (not looked for)"])
+        return cls(device.type, triton, tuple(triton_missing(device, head_dim)[len(triton):]), pdl_missing(device),
+                   tuple(flash))
 
 
 @dataclass(frozen=True)
 class Plan:
     """What runs: every switch of `EngineConfig`'s chapter-07 section, resolved (see `RULES`).
 
-    attention_backend: "torch" or "triton". cuda_graphs: decode steps replay CUDA graphs (`enforce_eager` off and
-    possible). num_scheduler_steps: decode steps per schedule (1: single steps). The others: on or off.
+    attention_backend: "torch", "triton" or "flash_attn". cuda_graphs: decode steps replay CUDA graphs
+    (`enforce_eager` off and possible). num_scheduler_steps: decode steps per schedule (1: single steps). The others: on or off.
     """
 
     attention_backend: str = "torch"
@@ -127,6 +139,11 @@ def _graphs(r: _Resolution) -> bool:
     return bool(r.on["cuda_graphs"])
 
 
+def _graph_kernel(r: _Resolution) -> list[str]:
+    """What CUDA graphs lack in the attention kernel: flash-attn's and the Triton kernel can be captured."""
+    return [] if r.on["flash_attn"] else r.need("attention_backend")
+
+
 def _one_process(r: _Resolution) -> list[str]:
     """What a switch that the tensor-parallel runner (`minirt.parallel`) cannot run lacks under it."""
     tp = r.tensor_parallel_size
@@ -134,13 +151,20 @@ def _one_process(r: _Resolution) -> list[str]:
 
 
 RULES: tuple[Rule, ...] = (
+    # attention_backend is one field and two rows: "flash_attn" (minirt.fast.flash_attn), then "triton".
+    # auto keeps minirt's Triton kernel: with split-KV it decodes faster than flash-attn-4, which has no split-KV
+    # on Hopper; flash-attn-4 is faster on prefill chunks of 256 tokens and more, a per-phase choice not built yet
+    # (benchmarks/README.md, "flash-attn against minirt's kernel").
+    Rule("flash_attn", "'flash_attn'", lambda r: list(r.hw.flash_attn), lambda r: False,
+         "never (asked for by name only)", field="attention_backend",
+         label="attention_backend='flash_attn'", asked=lambda v: True if v == "flash_attn" else False),
     Rule("attention_backend", "'triton'", lambda r: [*r.hw.triton, *r.hw.head_dim], lambda r: True,
          "where the Triton kernel can run", label="attention_backend='triton'",
-         asked=lambda v: {"auto": None, "triton": True, "torch": False}[v]),
+         asked=lambda v: {"auto": None, "triton": True, "torch": False, "flash_attn": False}[v]),
     Rule("split_kv", "split-KV decode", lambda r: r.need("attention_backend"), lambda r: True,
          "with the Triton attention kernel", asked=lambda v: None if v else False),
     Rule("cuda_graphs", "CUDA graphs", lambda r: ([] if _cuda(r) else [f"a CUDA device (got {r.hw.device_type})"])
-         + r.need("attention_backend") + _one_process(r), lambda r: True, "on CUDA with the Triton attention kernel",
+         + _graph_kernel(r) + _one_process(r), lambda r: True, "on CUDA with the Triton or flash-attn kernel",
          field="enforce_eager", label="CUDA graphs", asked=lambda v: False if v else None),
     Rule("fused_ops", "torch.compile-fused ops", lambda r: list(r.hw.triton) if _cuda(r) else [], _cuda,
          "on CUDA"),                                      # Inductor writes Triton kernels for CUDA tensors
@@ -180,7 +204,8 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
     if hardware is None:
         from minirt.model.layers import head_dim_of
 
-        hardware = Hardware.of(device, head_dim_of(model_config) if model_config is not None else 16)
+        hardware = Hardware.of(device, head_dim_of(model_config) if model_config is not None else 16,
+                               config.dtype, config.block_size, flash_attn=config.attention_backend == "flash_attn")
     r = _Resolution(hardware, config.tensor_parallel_size)
     for rule in RULES:
         value = getattr(config, rule.config_field())
@@ -198,6 +223,7 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
             r.on[rule.name] = rule.auto(r)
             r.why_off[rule.name] = f"{rule.config_field()}=None is on only {rule.when}"
     values = dict(r.on)
-    values["attention_backend"] = "triton" if values["attention_backend"] else "torch"
+    flash = values.pop("flash_attn")
+    values["attention_backend"] = "flash_attn" if flash else "triton" if values["attention_backend"] else "torch"
     values["num_scheduler_steps"] = int(values["num_scheduler_steps"]) or 1       # off: single steps
     return Plan(**values)

@@ -1,0 +1,190 @@
+"""`python -m minirt serve`: load the model, build the app, run uvicorn; drain on SIGINT/SIGTERM.
+
+Shutdown (uvicorn's sequence, with a drain deadline added): stop listening, answer new requests on open
+connections with 503, let the requests in flight finish for up to `--shutdown-timeout` seconds, then abort
+those still running - each client still gets a complete answer, with finish_reason "abort" - and stop the
+engine. A model that cannot be loaded ends the command with status 1 and the reason, before anything listens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import signal
+import sys
+
+from minirt.config import EngineConfig
+
+logger = logging.getLogger("minirt.serve")
+
+#: Engine settings given as text on the command line: how each field's type reads it.
+_BOOL_WORDS = {"true": True, "on": True, "1": True, "false": False, "off": False, "0": False}
+
+
+def _bool(text: str) -> bool:
+    if text.lower() not in _BOOL_WORDS:
+        raise argparse.ArgumentTypeError(f"must be true or false (on/off, 1/0), got {text!r}")
+    return _BOOL_WORDS[text.lower()]
+
+
+def _auto_bool(text: str) -> bool | None:
+    return None if text.lower() == "auto" else _bool(text)
+
+
+def _int_or_none(text: str) -> int | None:
+    return None if text.lower() == "none" else int(text)
+
+
+def add_engine_settings(p: argparse.ArgumentParser) -> None:
+    """One `--flag` per `EngineConfig` field (`--max-num-seqs 64`, `--enable-prefix-caching false`,
+    `--fused-ops auto`); a flag not given keeps the engine's default."""
+    group = p.add_argument_group("engine settings (minirt.config.EngineConfig; default: the engine's)")
+    for f in dataclasses.fields(EngineConfig):
+        kind = str(f.type)
+        parse = (_auto_bool if kind == "bool | None" else _bool if kind == "bool" else
+                 _int_or_none if kind == "int | None" else int if kind == "int" else str)
+        group.add_argument("--" + f.name.replace("_", "-"), dest=f.name, type=parse, default=argparse.SUPPRESS,
+                           metavar="NAME" if kind == "object" else kind.replace(" | ", "|").upper(),
+                           help=f"default {f.default!r}")
+
+
+def engine_settings(args) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add `serve` to an argparse subparsers object."""
+    from minirt.engine import DEFAULT_MODEL
+
+    p = subparsers.add_parser("serve", help="an OpenAI-compatible HTTP server over the asyncio engine",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=DEFAULT_MODEL, help="local HF-format checkpoint or hub id (default: embedded)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: the folder's name)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-waiting", type=int, default=256,
+                   help="requests that may wait for admission; beyond, 429 with Retry-After (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default: torch's choice; 1 is fastest for small models on a shared CPU)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    add_engine_settings(p)
+    return p
+
+
+def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          model_path: str | None = None, max_waiting: int = 256, shutdown_timeout: float = 30.0,
+          log_level: str = "info", sockets=None):
+    """Build the app over `engine` and return the uvicorn server (call `.run()`, or `.serve()` in a loop)."""
+    import uvicorn
+
+    from minirt.serve.app import build_app
+    from minirt.serve.shutdown import DrainingServer
+
+    if not shutdown_timeout >= 0:
+        raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {shutdown_timeout!r}")
+    app = build_app(engine, model_name, model_path, max_waiting)
+    # uvicorn's own deadline, after which it cancels handlers: later than the drain's, which answers them first
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
+                            timeout_graceful_shutdown=shutdown_timeout + 5, timeout_keep_alive=5)
+    return DrainingServer(config, app.state.minirt, shutdown_timeout)
+
+
+class BackgroundServer:
+    """A server over `engine` on its own thread and event loop, on a free port of 127.0.0.1 (tests, notebooks):
+
+        with BackgroundServer(engine) as url:     # "http://127.0.0.1:PORT"
+            ...                                   # leaving drains and stops it, as SIGTERM does
+
+    `settings` go to `serve` (max_waiting, shutdown_timeout, ...). The engine runs on the server's thread:
+    read `engine.stats()` from outside only when no request is in flight."""
+
+    def __init__(self, engine, host: str = "127.0.0.1", **settings):
+        import socket
+
+        self.sock = socket.socket()
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = serve(engine, host, self.sock.getsockname()[1], log_level="warning", **settings)
+        self.thread = None
+
+    def start(self, timeout_s: float = 30.0) -> str:
+        import asyncio
+        import threading
+        import time
+
+        self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
+                                       name="minirt-serve", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start")
+            time.sleep(0.01)
+        return self.url
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.server.should_exit = True
+        if self.thread is not None:
+            self.thread.join(timeout_s)
+        self.sock.close()
+
+    def __enter__(self) -> str:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run(args) -> int:
+    """`python -m minirt serve`: 0 after a clean shutdown, 1 if the model cannot be loaded, 2 on bad settings."""
+    from minirt.engine import Engine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    if args.max_waiting < 1:
+        print(f"error: --max-waiting: must be >= 1, got {args.max_waiting}", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        if args.threads < 1:
+            print(f"error: --threads: must be >= 1, got {args.threads}", file=sys.stderr)
+            return 2
+        import torch
+
+        torch.set_num_threads(args.threads)
+    try:
+        engine = Engine(args.model, **engine_settings(args))
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:            # noqa: BLE001 - whatever stops the load, say it and exit non-zero
+        print(f"error: cannot load the model {args.model!r}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if engine.tokenizer is None:
+        print(f"error: cannot serve the model {args.model!r}: it has no tokenizer, and the OpenAI API answers text",
+              file=sys.stderr)
+        return 1
+    print(f"minirt serve: {args.model} on {engine.device} ({engine.model.dtype}), {engine.pool.num_blocks} KV blocks "
+          f"of {engine.config.block_size}, max_model_len {engine.config.max_model_len}", file=sys.stderr, flush=True)
+    try:
+        server = serve(engine, args.host, args.port, args.served_model_name, args.model, args.max_waiting,
+                       args.shutdown_timeout, args.log_level)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    # After its graceful shutdown uvicorn raises the signal it caught once more, for the previous handler:
+    # by then every request is answered and the engine stopped, so that handler ends the process with 0.
+    previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run()
+    except SystemExit as e:
+        return int(e.code or 0)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1
+
+
+def _exit_cleanly(signum, frame):
+    raise SystemExit(0)
