@@ -160,3 +160,28 @@ def test_cli_generate_with_two_ranks_prints_the_one_process_text(default_model):
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = minirt.LLM(default_model, device="cpu").generate(prompt, minirt.SamplingParams(max_new_tokens=12))
     assert proc.stdout == prompt + expected[0].text + "\n"
+
+
+def test_the_server_over_two_ranks_answers_as_one_process(default_model, default_llm):
+    """`minirt.serve` on a TP engine (rank 0's steps run on the server's thread): plain and streamed completions equal
+    one process's `LLM.generate`."""
+    openai = pytest.importorskip("openai")
+    from minirt.serve.server import BackgroundServer
+
+    prompts = ["ROMEO:", "To be, or not to be, that is"]
+    want = default_llm.generate(prompts, minirt.SamplingParams(max_new_tokens=16))
+    engine = minirt.Engine(default_model, device="cpu", dtype="float32", tensor_parallel_size=2)
+    bg = BackgroundServer(engine)
+    url = bg.start()
+    try:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        for prompt, w in zip(prompts, want):
+            r = client.completions.create(model="default_model", prompt=prompt, max_tokens=16, temperature=0)
+            assert r.choices[0].text == w.text
+            chunks = client.completions.create(model="default_model", prompt=prompt, max_tokens=16, temperature=0,
+                                               stream=True)
+            assert "".join(c.choices[0].text for c in chunks if c.choices) == w.text
+    finally:
+        bg.stop()
+        engine.model_runner.close()
+    _nothing_left(engine)
