@@ -137,6 +137,8 @@ def run_minirt(llm, prompts: list[list[int]], n: int, device: torch.device) -> t
     from minirt.metrics import summarize
     from minirt.sampling import SamplingParams
 
+    comm = getattr(llm.engine.model_runner, "comm", None)       # tensor parallelism: its collectives' clock
+    comm_s, steps = (comm.seconds if comm else 0.0), llm.engine.num_steps
     sync(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -145,7 +147,11 @@ def run_minirt(llm, prompts: list[list[int]], n: int, device: torch.device) -> t
     bad = [f"{o.request_id}: {o.finish_reason} {o.error or ''}" for o in outs if len(o.token_ids) != n]
     if bad:
         raise RuntimeError(f"minirt: {len(bad)} requests did not generate {n} tokens: {bad[:3]}")
-    return {**summarize(outs, wall), "how": "RequestOutput.metrics"}, [o.token_ids for o in outs]
+    figures = {**summarize(outs, wall), "how": "RequestOutput.metrics"}
+    if comm is not None and comm.timed:
+        steps = llm.engine.num_steps - steps
+        figures.update(steps=steps, step_s=wall / steps, collective_s_per_step=(comm.seconds - comm_s) / steps)
+    return figures, [o.token_ids for o in outs]
 
 
 def hf_generate(model, prompts: list[list[int]], n: int, device: torch.device, max_batch: int | None = None
@@ -312,9 +318,12 @@ def kernel_name(runner) -> str:
 
 
 def bench(device: torch.device, workloads: list[str], quick: bool = False, model: str | None = None,
-          baselines: tuple[str, ...] = ("hf_generate",), seed: int = 0, engine_kwargs: dict | None = None) -> dict:
+          baselines: tuple[str, ...] = ("hf_generate",), seed: int = 0, engine_kwargs: dict | None = None,
+          time_collectives: bool = False) -> dict:
     """Run minirt and the baselines on each workload; returns the report that `run` writes as JSON.
-    `engine_kwargs` go to `minirt.LLM` (for example `enforce_eager=True`)."""
+    `engine_kwargs` go to `minirt.LLM` (for example `enforce_eager=True`, `tensor_parallel_size=2`). With tensor
+    parallelism, minirt's figures add the seconds per step in the model's collectives (`collective_s_per_step`):
+    always on the CPU, on CUDA with `time_collectives` (a device sync around each collective, which slows it)."""
     from transformers import AutoModelForCausalLM
 
     import minirt
@@ -341,6 +350,8 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
 
         llm = minirt.LLM(model, device=device, dtype=dtype, **(engine_kwargs or {}))
         engine = llm.engine
+        if time_collectives and getattr(engine.model_runner, "comm", None) is not None:
+            engine.model_runner.comm.timed = True
         report["settings"]["engine_resolved"] = {
             **engine.plan.as_dict(), "attention_kernel": kernel_name(engine.model_runner),
             "num_kv_blocks": engine.config.num_kv_blocks, "max_num_seqs": engine.config.max_num_seqs,
@@ -359,7 +370,10 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
         for w, s in settings.items():
             run_minirt(llm, *warmup[w], device)
             results[w]["minirt"], _ = run_minirt(llm, prompts[w], s["max_new_tokens"], device)
-        del llm
+        close = getattr(engine.model_runner, "close", None)       # tensor parallelism: join the ranks
+        if close is not None:
+            close()
+        del llm, engine
         free_memory()
 
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
@@ -399,6 +413,10 @@ def format_report(report: dict) -> str:
                           [[r["workload"], r["name"], r["value"], r["target"], r["status"] or ""]
                            for r in report["ratios"]])
     d, m, c = report["device"], report["model"], report["correctness"]
+    collectives = [f"{w}: {fig['collective_s_per_step'] * 1e3:.3f} ms of {fig['step_s'] * 1e3:.3f} ms per step in "
+                   "collectives" for w, systems in report["results"].items()
+                   for fig in [systems.get("minirt", {})] if "collective_s_per_step" in fig]
+    table += "".join(f"\nminirt {line}" for line in collectives)
     return (f"{d['name']} ({d['type']}, {d['num_threads']} threads, load {d['load_average_1min']:.1f}); {m['name']}, "
             f"{report['settings']['dtype']}, {m['weight_bytes'] / 1e9:.3f} GB of weights\n"
             f"copy bandwidth (read + write): {report['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s\n"
@@ -441,6 +459,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the attention kernel (EngineConfig.attention_backend; flash_attn: the flash-attn package)")
     p.add_argument("--no-split-kv", action="store_true", help="minirt's Triton kernel without split-KV decode")
     p.add_argument("--enforce-eager", action="store_true", help="minirt without CUDA graphs")
+    p.add_argument("--tensor-parallel-size", type=_positive_int, default=1,
+                   help="minirt's ranks (chapter 09: one process each, gloo on the CPU, NCCL on GPUs)")
+    p.add_argument("--time-collectives", action="store_true",
+                   help="with tensor parallelism on CUDA, time the collectives (a device sync around each)")
     p.add_argument("--num-scheduler-steps", type=_positive_int, default=None,
                    help="minirt's decode steps per schedule when all requests decode (default: 8 with CUDA graphs, else 1)")
     for name, what in ON_OFF_SWITCHES:
@@ -478,6 +500,8 @@ def engine_kwargs_of(args) -> dict:
             kwargs[name] = getattr(args, name) == "on"
     if args.num_scheduler_steps is not None:
         kwargs["num_scheduler_steps"] = args.num_scheduler_steps
+    if args.tensor_parallel_size != 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     return kwargs
 
 
@@ -513,7 +537,8 @@ def run(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    report = bench(device, workloads, args.quick, args.model, baselines, args.seed, engine_kwargs)
+    report = bench(device, workloads, args.quick, args.model, baselines, args.seed, engine_kwargs,
+                   args.time_collectives)
     print(format_report(report))
     switches = [f"{k.replace('_', '-')}-{str(v).lower()}" for k, v in engine_kwargs.items()]  # non-default runs
     parts = [device.type, "quick" if args.quick else "", "" if args.workload == "all" else args.workload,

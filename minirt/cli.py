@@ -21,6 +21,8 @@ def _engine_args(p: argparse.ArgumentParser, temperature: float = 0.0, top_k: in
     p.add_argument("--model", default=DEFAULT_MODEL, help="local HF-format checkpoint or hub id (default: embedded)")
     p.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="float32, bfloat16, float16 (default: fp32 on CPU, bf16 on GPU)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="processes the model is sharded over (chapter 09; gloo on the CPU, NCCL on GPUs)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=temperature, help=f"0 = greedy (default {temperature})")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -46,7 +48,7 @@ async def _demo(args) -> int:
     with open(DEMO_PROMPTS) as f:
         prompts = json.load(f)[: args.num_prompts]
     params = [_params(args, i) for i in range(len(prompts))]
-    engine = Engine(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     for prompt, p in zip(prompts, params):
         engine.validate(prompt, p)          # refuse bad settings before anything is shown
     print(f"minirt demo: {len(prompts)} prompts on {engine.device} ({engine.model.dtype}), "
@@ -81,7 +83,7 @@ async def _generate(args) -> int:
     from minirt.engine import Engine
 
     params = _params(args)
-    engine = Engine(args.model, device=args.device, dtype=args.dtype)
+    engine = Engine(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)
     engine.validate(args.prompt, params)    # refuse bad input before echoing the prompt
     async with engine:
         sys.stdout.write(args.prompt)

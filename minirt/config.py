@@ -76,9 +76,12 @@ class EngineConfig:
     combine_in_attention: bool | None = False
     prefetch_kv: bool | None = None
     l2_prefetch: bool | None = None
+    # chapter 09: processes the model is sharded over (`minirt.parallel`; 1: this process only)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
+                     "tensor_parallel_size"):
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")

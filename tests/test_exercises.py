@@ -40,7 +40,7 @@ def _nbval():
 def test_six_exercises_with_at_least_two_graded_tasks_each():
     import nbformat
     names = [p.name for p in SOLUTIONS]
-    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08"], names
+    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09"], names
     assert [p.name for p in EXERCISES] == names
     for path in SOLUTIONS:
         nb = nbformat.read(path, as_version=4)
@@ -168,6 +168,9 @@ REFERENCES = {
     "ex08.delta_chunks": "minirt.serve.protocol:delta_chunks",
     "ex08.admission": "minirt.serve.app:admission",
     "ex08.goodput": "minirt.serve.bench:goodput",
+    "ex09.column_parallel": "minirt.parallel.sharding:column_parallel",
+    "ex09.row_parallel": "minirt.parallel.sharding:RowParallelLinear",
+    "ex09.vocab_parallel_embedding": "minirt.parallel.sharding:VocabParallelEmbedding",
 }
 
 
@@ -369,6 +372,39 @@ def _goodput_failing_one_token_requests(results, duration_s, ttft_slo_s, tpot_sl
     """Counts a request without a TPOT (one token) as missing the TPOT SLO."""
     return sum(r["ok"] and r["ttft_s"] <= ttft_slo_s and r["tpot_s"] is not None and r["tpot_s"] <= tpot_slo_s
                for r in results) / duration_s
+def _column_parallel_strided(linear, rank, world_size):       # every world_size-th row: heads torn apart
+    import torch
+
+    shard = torch.nn.Linear(linear.in_features, linear.out_features // world_size, bias=linear.bias is not None)
+    with torch.no_grad():
+        shard.weight.copy_(linear.weight[rank::world_size])
+        if linear.bias is not None:
+            shard.bias.copy_(linear.bias[rank::world_size])
+    return shard.to(linear.weight.device)
+
+
+def _row_parallel_bias_on_every_rank():                      # the bias inside the sum: counted world_size times
+    import torch.nn.functional as F
+
+    from minirt.parallel.sharding import RowParallelLinear
+
+    class BiasBeforeTheSum(RowParallelLinear):
+        def forward(self, x):
+            return self.comm.all_reduce(F.linear(x, self.weight, self.bias))
+
+    return BiasBeforeTheSum
+
+
+def _vocab_embedding_without_the_mask():                     # others' ids read this rank's clamped rows
+    import torch.nn.functional as F
+
+    from minirt.parallel.sharding import VocabParallelEmbedding
+
+    class NoMask(VocabParallelEmbedding):
+        def forward(self, ids):
+            return self.comm.all_reduce(F.embedding((ids - self.vocab_start).clamp(0, self.rows - 1), self.weight))
+
+    return NoMask
 
 
 WRONG = [
@@ -394,6 +430,9 @@ WRONG = [
     ("ex08.delta_chunks", _delta_chunks_dropping_the_finish, "the last delta, no text"),
     ("ex08.admission", lambda waiting, limit, draining: None if waiting < limit else (429, "busy"), "draining=True"),
     ("ex08.goodput", _goodput_failing_one_token_requests, "no TPOT"),
+    ("ex09.column_parallel", _column_parallel_strided, "two ranks"),
+    ("ex09.row_parallel", _row_parallel_bias_on_every_rank(), "two ranks, bias"),
+    ("ex09.vocab_parallel_embedding", _vocab_embedding_without_the_mask(), "two ranks"),
 ]
 
 

@@ -1256,6 +1256,126 @@ def ex08_goodput() -> Spec:
     return Spec(reference, cases)
 
 
+# ============================================================================== ex09: tensor parallelism
+
+
+class SimulatedAllReduce:
+    """A stand-in for `minirt.parallel.Communicator` that lets one process play every rank (the checks of ex09).
+
+    Pass 1 (`sums is None`): `all_reduce(x)` records each call's tensor and returns it unchanged. Pass 2 (`sums` the
+    element-wise sums over the ranks of pass 1's calls, in order): `all_reduce(x)` writes the next sum into `x` and
+    returns it, as a real all-reduce would on every rank."""
+
+    def __init__(self, sums: list[torch.Tensor] | None = None):
+        self.sums, self.calls = sums, []
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sums is None:
+            self.calls.append(x.detach().clone())
+            return x
+        if len(self.calls) >= len(self.sums):
+            raise RuntimeError("all_reduce called more often than in the first pass")
+        self.calls.append(None)
+        return x.copy_(self.sums[len(self.calls) - 1])
+
+
+def simulate_ranks(build: Callable, world_size: int, x_of: Callable[[int], Any]) -> list:
+    """Every rank's output of `build(rank, comm)(x_of(rank))` with the all-reduces summed over the ranks, in one
+    process: a first pass records what each rank contributes, a second replays the forward with the sums."""
+    first = []
+    for rank in range(world_size):
+        comm = SimulatedAllReduce()
+        build(rank, comm)(x_of(rank))
+        first.append(comm.calls)
+    counts = {len(calls) for calls in first}
+    if len(counts) != 1:
+        raise RuntimeError(f"the ranks called all_reduce a different number of times: {[len(c) for c in first]}")
+    sums = [sum(calls[i] for calls in first) for i in range(counts.pop())]
+    return [build(rank, SimulatedAllReduce(sums))(x_of(rank)) for rank in range(world_size)]
+
+
+def _linear_case(seed: int, in_features: int, out_features: int, bias: bool) -> torch.nn.Linear:
+    gen = torch.Generator().manual_seed(seed)
+    linear = torch.nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(out_features, in_features, generator=gen))
+        if bias:
+            linear.bias.copy_(torch.randn(out_features, generator=gen))
+    return linear.requires_grad_(False).to(device())
+
+
+_SHARD_SHAPES = [("two ranks, no bias", 8, 6, False, 2), ("two ranks, bias", 8, 6, True, 2),
+                 ("four ranks", 16, 12, True, 4), ("one rank (nothing to split)", 4, 6, True, 1),
+                 ("as many ranks as rows", 4, 4, True, 4), ("eight ranks", 16, 32, False, 8),
+                 ("three ranks", 9, 6, True, 3), ("wide input, two ranks", 32, 8, True, 2)]
+
+
+@_task
+def ex09_column_parallel() -> Spec:
+    """Check `column_parallel(linear, rank, world_size) -> nn.Linear` (each rank's weight, bias and output)."""
+    from minirt.parallel.sharding import column_parallel as reference
+
+    def drive(f, inputs):
+        linear, world_size, x = inputs
+        outs = []
+        for rank in range(world_size):
+            shard = f(linear, rank, world_size)
+            outs.append({"weight": shard.weight, "bias": shard.bias, "output": shard(x)})
+        return outs
+
+    cases = [Case(name, lambda i=i, o=o, b=b, n=n, k=k: (_linear_case(k, i, o, b), n, _randn(3, i, seed=k + 50)),
+                  f"nn.Linear({i}, {o}, bias={b}), world_size={n}, x [3, {i}]")
+             for k, (name, i, o, b, n) in enumerate(_SHARD_SHAPES)]
+    return Spec(reference, cases, run=drive)
+
+
+@_task
+def ex09_row_parallel() -> Spec:
+    """Check `RowParallelLinear(linear, rank, world_size, comm)`: every rank's output after the all-reduce, given
+    its share of the input's features, equals `linear` on the whole input (`simulate_ranks`)."""
+    from minirt.parallel.sharding import RowParallelLinear as reference
+
+    def drive(cls, inputs):
+        linear, world_size, x = inputs
+        part = x.shape[-1] // world_size
+        return simulate_ranks(lambda rank, comm: cls(linear, rank, world_size, comm), world_size,
+                              lambda rank: x[..., rank * part:(rank + 1) * part].clone())
+
+    cases = [Case(name, lambda i=i, o=o, b=b, n=n, k=k: (_linear_case(k, o, i, b), n, _randn(2, 3, o, seed=k + 60)),
+                  f"nn.Linear({o}, {i}, bias={b}), world_size={n}, x [2, 3, {o}] split by features")
+             for k, (name, i, o, b, n) in enumerate(_SHARD_SHAPES)]
+    return Spec(reference, cases, run=drive)
+
+
+@_task
+def ex09_vocab_parallel_embedding() -> Spec:
+    """Check `VocabParallelEmbedding(embedding, rank, world_size, comm)`: every rank's lookup after the all-reduce
+    equals the whole embedding's, including a vocabulary that does not divide (`simulate_ranks`)."""
+    from minirt.parallel.sharding import VocabParallelEmbedding as reference
+
+    def make(seed, vocab, hidden, world_size, ids):
+        gen = torch.Generator().manual_seed(seed)
+        embedding = torch.nn.Embedding(vocab, hidden).requires_grad_(False)
+        with torch.no_grad():
+            embedding.weight.copy_(torch.randn(vocab, hidden, generator=gen))
+        return embedding.to(device()), world_size, torch.tensor(ids, device=device())
+
+    def drive(cls, inputs):
+        embedding, world_size, ids = inputs
+        return simulate_ranks(lambda rank, comm: cls(embedding, rank, world_size, comm), world_size, lambda r: ids)
+
+    specs = [("two ranks", 8, 4, 2, [[0, 3, 4, 7]]), ("the first and last ids", 12, 3, 3, [[0, 11, 4, 3, 8]]),
+             ("vocabulary 10 over 4 ranks: the last shard is short", 10, 4, 4, [[9, 8, 0, 2, 5]]),
+             ("vocabulary 7 over 3 ranks", 7, 2, 3, [[6, 6, 5, 0], [1, 2, 3, 4]]),
+             ("one rank", 5, 3, 1, [[4, 0, 2]]), ("repeated ids, 4 ranks", 16, 8, 4, [[5] * 6 + [15, 0]]),
+             ("ids at the shard boundaries, 2 ranks", 6, 5, 2, [[2, 3, 5]]),
+             ("ids of shape [2, 2, 2], vocabulary 9 over 2 ranks", 9, 3, 2, [[[0, 8], [4, 5]], [[3, 3], [1, 7]]])]
+    cases = [Case(name, lambda k=k, v=v, h=h, n=n, i=i: make(k, v, h, n, i),
+                  f"nn.Embedding({v}, {h}), world_size={n}, ids {i}")
+             for k, (name, v, h, n, i) in enumerate(specs)]
+    return Spec(reference, cases, run=drive)
+
+
 # ============================================================================== registry
 
 TASKS: dict[str, Callable[[Callable], None]] = {
@@ -1277,6 +1397,9 @@ TASKS: dict[str, Callable[[Callable], None]] = {
     "ex08.delta_chunks": ex08_delta_chunks,
     "ex08.admission": ex08_admission,
     "ex08.goodput": ex08_goodput,
+    "ex09.column_parallel": ex09_column_parallel,
+    "ex09.row_parallel": ex09_row_parallel,
+    "ex09.vocab_parallel_embedding": ex09_vocab_parallel_embedding,
 }
 # minirt's own implementation of each task ("module:qualname"): handing one in, or calling it, is not a
 # solution; the grader scores it 0 (`minirt.course.provenance`).
@@ -1299,7 +1422,10 @@ REFERENCE_NAMES: dict[str, tuple[str, ...]] = {
     "ex08.delta_chunks": ("minirt.serve.protocol:delta_chunks",),
     "ex08.admission": ("minirt.serve.app:admission",),
     "ex08.goodput": ("minirt.serve.bench:goodput",),
+    "ex09.column_parallel": ("minirt.parallel.sharding:column_parallel",),
+    "ex09.row_parallel": ("minirt.parallel.sharding:RowParallelLinear",),
+    "ex09.vocab_parallel_embedding": ("minirt.parallel.sharding:VocabParallelEmbedding",),
 }
 __all__ = ["CheckFailed", "Case", "REFERENCE_NAMES", "RemoteError", "SPECS", "Spec", "TASKS", "compare",
-           "reference_outcome", "ToyTokenizer", "device", "run_check", "tiny_model",
+           "reference_outcome", "SimulatedAllReduce", "ToyTokenizer", "device", "run_check", "simulate_ranks", "tiny_model",
            *(name.replace(".", "_") for name in TASKS)]

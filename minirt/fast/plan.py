@@ -90,8 +90,9 @@ class Plan:
 class _Resolution:
     """The switches resolved so far, and why each one that is off is off."""
 
-    def __init__(self, hw: Hardware):
+    def __init__(self, hw: Hardware, tensor_parallel_size: int = 1):
         self.hw = hw
+        self.tensor_parallel_size = tensor_parallel_size
         self.on: dict[str, bool | int] = {}
         self.why_off: dict[str, str] = {}
 
@@ -143,6 +144,12 @@ def _graph_kernel(r: _Resolution) -> list[str]:
     return [] if r.on["flash_attn"] else r.need("attention_backend")
 
 
+def _one_process(r: _Resolution) -> list[str]:
+    """What a switch that the tensor-parallel runner (`minirt.parallel`) cannot run lacks under it."""
+    tp = r.tensor_parallel_size
+    return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks run no graphs, GEMVs or bursts)"]
+
+
 RULES: tuple[Rule, ...] = (
     # attention_backend is one field and two rows: "flash_attn" (minirt.fast.flash_attn), then "triton".
     # auto keeps minirt's Triton kernel: with split-KV it decodes faster than flash-attn-4, which has no split-KV
@@ -157,13 +164,14 @@ RULES: tuple[Rule, ...] = (
     Rule("split_kv", "split-KV decode", lambda r: r.need("attention_backend"), lambda r: True,
          "with the Triton attention kernel", asked=lambda v: None if v else False),
     Rule("cuda_graphs", "CUDA graphs", lambda r: ([] if _cuda(r) else [f"a CUDA device (got {r.hw.device_type})"])
-         + _graph_kernel(r), lambda r: True, "on CUDA with the Triton or flash-attn kernel",
+         + _graph_kernel(r) + _one_process(r), lambda r: True, "on CUDA with the Triton or flash-attn kernel",
          field="enforce_eager", label="CUDA graphs", asked=lambda v: False if v else None),
     Rule("fused_ops", "torch.compile-fused ops", lambda r: list(r.hw.triton) if _cuda(r) else [], _cuda,
          "on CUDA"),                                      # Inductor writes Triton kernels for CUDA tensors
     Rule("merge_projections", "merged projections", lambda r: [], _cuda, "on CUDA"),
-    Rule("gemv", "the Triton matrix-vector kernel", lambda r: list(r.hw.triton), _graphs, "with CUDA graphs"),
-    Rule("num_scheduler_steps", "multi-step decode", lambda r: [], lambda r: 8 if _graphs(r) else 1,
+    Rule("gemv", "the Triton matrix-vector kernel", lambda r: [*r.hw.triton, *_one_process(r)], _graphs,
+         "with CUDA graphs"),
+    Rule("num_scheduler_steps", "multi-step decode", _one_process, lambda r: 8 if _graphs(r) else 1,
          "8 with CUDA graphs, else 1"),
     Rule("norm_in_gemv", "the GEMV's norm prologue", lambda r: r.need("gemv", "merge_projections"),
          lambda r: True, "with gemv and merged projections"),
@@ -183,6 +191,11 @@ RULES: tuple[Rule, ...] = (
 RULE_BY_NAME = {rule.name: rule for rule in RULES}
 
 
+def _more_than_one(asked) -> bool:
+    """A number of steps above one asks for multi-step decode as True asks for a switch."""
+    return isinstance(asked, int) and not isinstance(asked, bool) and asked > 1
+
+
 def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
                  hardware: Hardware | None = None) -> Plan:
     """The `Plan` for these settings on `device` with this model (an HF config; its head_dim is what the Triton
@@ -193,12 +206,12 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
 
         hardware = Hardware.of(device, head_dim_of(model_config) if model_config is not None else 16,
                                config.dtype, config.block_size, flash_attn=config.attention_backend == "flash_attn")
-    r = _Resolution(hardware)
+    r = _Resolution(hardware, config.tensor_parallel_size)
     for rule in RULES:
         value = getattr(config, rule.config_field())
         asked = rule.asked(value) if rule.asked else value
         missing = rule.needs(r)
-        if asked is True and missing:
+        if (asked is True or _more_than_one(asked)) and missing:
             raise ValueError(f"{rule.config_field()}: {rule.what} needs {' and '.join(missing)}")
         if asked is not None:                                   # True, False, or a number of steps
             r.on[rule.name] = asked
@@ -212,4 +225,5 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
     values = dict(r.on)
     flash = values.pop("flash_attn")
     values["attention_backend"] = "flash_attn" if flash else "triton" if values["attention_backend"] else "torch"
+    values["num_scheduler_steps"] = int(values["num_scheduler_steps"]) or 1       # off: single steps
     return Plan(**values)

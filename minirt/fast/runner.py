@@ -110,13 +110,20 @@ def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, posit
 
 
 def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size: int, max_num_seqs: int,
-                       max_model_len: int) -> ModelRunner:
+                       max_model_len: int, tensor_parallel_size: int = 1) -> ModelRunner:
     """The engine's model runner for a plan (`minirt.fast.plan.Plan`), with its KV cache of `num_kv_blocks` blocks.
 
+    With `tensor_parallel_size > 1`, chapter 09's runner over that many processes
+    (`minirt.parallel.build_tensor_parallel_runner`; the plan's rules keep off what it cannot run).
     For the reference plan, chapter 05's `ModelRunner` over the model as loaded. Otherwise the plan's fast modules
     are swapped into the model (`speed_up_model`), and a `FastModelRunner` gets the plan's attention kernels and,
     with CUDA graphs, one more KV block than the pool hands out: the scratch block padding rows write to.
     """
+    if tensor_parallel_size > 1:
+        from minirt.parallel import build_tensor_parallel_runner
+
+        return build_tensor_parallel_runner(tensor_parallel_size, plan, model, num_kv_blocks, block_size,
+                                            max_num_seqs, max_model_len)
     mc = model.config
     if plan.is_reference:
         return ModelRunner(model, allocate_kv_cache(mc, num_kv_blocks, block_size, model.dtype, model.device),
