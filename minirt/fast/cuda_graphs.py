@@ -21,6 +21,7 @@ data-dependent shapes. Prefill steps (their token count varies) run eagerly.
 from __future__ import annotations
 
 import bisect
+import gc
 
 import torch
 
@@ -93,16 +94,27 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        """Capture every size, largest first, all in one memory pool (the smaller graphs reuse its blocks)."""
+        """Capture every size, largest first, all in one memory pool (the smaller graphs reuse its blocks).
+
+        The garbage collector is off while capturing (vLLM's `freeze_gc` does the same): a collection that
+        frees an earlier engine's graph mid-capture would call its `reset`, which a capturing stream refuses,
+        and the capture would fail with `cudaErrorStreamCaptureInvalidated`."""
         pool = None
-        for size in reversed(self.sizes):
-            self._forward(size)                                    # warm-up: Triton compiles, cuBLAS picks kernels
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.outputs[size] = self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = graph
+        gc.collect()
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            for size in reversed(self.sizes):
+                self._forward(size)                                # warm-up: Triton compiles, cuBLAS picks kernels
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.outputs[size] = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = graph
+        finally:
+            if enabled:
+                gc.enable()
         torch.cuda.synchronize()
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
