@@ -218,6 +218,8 @@ def test_runner_in_a_world_of_one_equals_the_reference(tiny_models, engines, dev
     path = tiny_models["qwen2"]
     # no prefix cache: the new runner's KV cache is empty, the old one's cached blocks would be stale hits
     settings = dict(device=device, dtype="float32", block_size=4, num_kv_blocks=64, enable_prefix_caching=False)
+    if device == "cuda":        # the plan and step the TP runner runs under (fast/plan.py's RULES: no graphs, GEMVs, bursts)
+        settings.update(enforce_eager=True, gemv=False, num_scheduler_steps=1)
     reference = minirt.LLM(path, **settings)
     prompts = random_prompts(8, [9, 3, 20])
     expected = token_ids(reference.generate(prompts, GREEDY))
