@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ast
 import html
-import importlib
 import inspect
 import json
 import re
@@ -26,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from minirt.course import activities
+from minirt.course import activities, provenance
 from minirt.course.checks import REFERENCE_NAMES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,17 +35,9 @@ MIN_LINES = 3          # distinctive lines of one answer in one cell that count 
 MIN_CHARS = 18         # shorter lines ("return out", "else:") are not distinctive
 
 
-def _resolve(target: str):
-    module, _, qualname = target.partition(":")
-    obj = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return inspect.unwrap(obj)
-
-
-def answer_lines(target: str) -> set[str]:
-    """The distinctive code lines of `target` ("module:qualname"): stripped, docstrings left out."""
-    source = textwrap.dedent(inspect.getsource(_resolve(target)))
+def answer_lines(task: str) -> set[str]:
+    """The distinctive code lines of minirt's answer to `task`: stripped, docstrings left out."""
+    source = textwrap.dedent(inspect.getsource(inspect.unwrap(provenance.reference_objects(task)[0])))
     docstrings = set()
     for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
@@ -64,7 +55,7 @@ def answer_lines(target: str) -> set[str]:
 
 def _answers() -> dict[str, set[str]]:
     """Each task's distinctive lines, less those another task's answer shares (argument checks)."""
-    lines = {task: answer_lines(targets[0]) for task, targets in REFERENCE_NAMES.items()}
+    lines = {task: answer_lines(task) for task in REFERENCE_NAMES}
     return {task: own - set().union(*(v for t, v in lines.items() if t != task))
             for task, own in lines.items()}
 
@@ -152,7 +143,7 @@ def test_chapter_shows_no_answer_before_its_exercise(chapter):
 
 def test_the_rule_catches_a_printed_answer(tmp_path):
     """The check itself: a chapter printing ex01's answer before linking it is caught."""
-    listing = inspect.getsource(_resolve(REFERENCE_NAMES["ex01.naive_generate"][0]))
+    listing = inspect.getsource(provenance.reference_objects("ex01.naive_generate")[0])
     cells = [{"cell_type": "code", "source": "print(inspect.getsource(naive_generate))", "metadata": {},
               "outputs": [{"output_type": "stream", "name": "stdout", "text": listing}]},
              {"cell_type": "markdown", "metadata": {},
