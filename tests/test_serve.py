@@ -352,7 +352,7 @@ def _wait_health(proc, url: str, timeout_s: float = 60):
                                                          (signal.SIGINT, "0.5", 1500, "abort")],
                          ids=["SIGTERM-drains", "SIGINT-aborts-after-the-deadline"])
 def test_signal_shuts_down_cleanly_with_in_flight_requests_answered(sig, drain, max_tokens, reason):
-    from minirt.serve.bench import free_port
+    from minirt.parallel.workers import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

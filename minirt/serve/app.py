@@ -176,12 +176,10 @@ async def _serve(state: ServerState, raw: Request, body, prompt, chat: bool):
     try:
         max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None)
         if max_tokens is None and chat:      # the room the context leaves (completions: OpenAI's 16)
-            _, ids, _ = engine.validate(prompt, SamplingParams(max_new_tokens=1))
-            max_tokens = max(1, engine.config.max_model_len - len(ids))
+            _, prompt, _ = engine.validate(prompt, SamplingParams(max_new_tokens=1))   # the ids, from here on
+            max_tokens = max(1, engine.config.max_model_len - len(prompt))
         params = sampling_params(body, max_tokens or 16)
         _, ids, params = engine.validate(prompt, params)              # tokenized once, checked against every limit
-    except RequestError:
-        raise
     except ValueError as e:
         raise api_error(e) from None
     refused = admission(len(engine.waiting_queue), state.max_waiting, state.draining)

@@ -24,7 +24,6 @@ import asyncio
 import datetime
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import time
 
 from minirt.bench import commit
 from minirt.metrics import format_table, percentile
+from minirt.parallel.workers import free_port
 
 
 # ============================================================================ one run
@@ -66,7 +66,7 @@ async def stream_one(client, model: str, prompt: list[int], output_len: int) -> 
         error = f"{type(e).__name__}: {e}"
     e2e = time.perf_counter() - start
     ok = error is None and bool(chunk_times) and tokens is not None
-    return {"ok": ok, "error": error, "send_s": start, "e2e_s": e2e, "output_tokens": tokens or 0,
+    return {"ok": ok, "error": error, "e2e_s": e2e, "output_tokens": tokens or 0,
             "ttft_s": chunk_times[0] if ok else None,
             "tpot_s": (chunk_times[-1] - chunk_times[0]) / (tokens - 1) if ok and tokens > 1 else None,
             "itl_s": [b - a for a, b in zip(chunk_times, chunk_times[1:])]}
@@ -171,12 +171,6 @@ def _vocab_of(path: str) -> int:
 
 
 # ============================================================================ a server to measure
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def start_server(model: str, device: str | None, extra: list[str], timeout_s: float = 300) -> tuple[subprocess.Popen, str]:

@@ -89,7 +89,7 @@ def refuse_unsupported(req: _SamplingFields) -> None:
     if isinstance(req, CompletionRequest):
         unsupported.update(logprobs=req.logprobs is not None, echo=req.echo, suffix=req.suffix is not None,
                            best_of=req.best_of not in (None, 1))
-        if isinstance(req.prompt, list) and req.prompt and not isinstance(req.prompt[0], int):
+        if prompt_of(req) is not req.prompt:                # a list of prompts
             unsupported["prompt"] = len(req.prompt) != 1
     else:
         unsupported.update(logprobs=req.logprobs, top_logprobs=req.top_logprobs is not None, tools=bool(req.tools))
@@ -110,14 +110,11 @@ def prompt_of(req: CompletionRequest):
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int) -> SamplingParams:
-    """The `SamplingParams` of a request whose answer may have `max_tokens` tokens. Raises RequestError
-    naming the field (SamplingParams' own checks, renamed to the API's field names)."""
-    try:
-        return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=req.top_k, seed=req.seed, stop=() if req.stop is None else req.stop,
-                              ignore_eos=req.ignore_eos)
-    except ValueError as e:
-        raise api_error(e) from None
+    """The `SamplingParams` of a request whose answer may have `max_tokens` tokens. Raises ValueError naming
+    the field (SamplingParams' own checks; `api_error` renames it to the API's field names)."""
+    return SamplingParams(max_new_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                          top_k=req.top_k, seed=req.seed, stop=() if req.stop is None else req.stop,
+                          ignore_eos=req.ignore_eos)
 
 
 def api_error(e: ValueError) -> RequestError:
