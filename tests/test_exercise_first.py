@@ -63,10 +63,6 @@ def _answers() -> dict[str, set[str]]:
 ANSWERS = _answers()
 
 
-def _plain(text: str) -> str:
-    return html.unescape(re.sub(r"<[^>]+>", "", text))
-
-
 def _output_texts(cell) -> list[tuple[str, str]]:
     """(raw, plain) text of each output of a code cell."""
     texts = []
@@ -78,7 +74,7 @@ def _output_texts(cell) -> list[tuple[str, str]]:
             if mime.startswith("text/"):
                 parts.append("".join(value))
         for raw in parts:
-            texts.append((raw, _plain(raw)))
+            texts.append((raw, activities.html_text(raw)))
     return texts
 
 

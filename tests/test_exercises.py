@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import pkgutil
 import subprocess
 import sys
 from collections import OrderedDict
@@ -177,8 +178,7 @@ REFERENCES = {
 def _resolve(ref):
     if callable(ref):
         return ref
-    module, name = ref.split(":")
-    return getattr(importlib.import_module(module), name)
+    return pkgutil.resolve_name(ref)
 
 
 @pytest.mark.parametrize("task", sorted(checks.TASKS))

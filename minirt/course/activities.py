@@ -269,6 +269,10 @@ class SourceRef:
                          for n, line in enumerate(self.lines, self.start))
         return f'<pre style="font-size:85%;line-height:1.35;overflow-x:auto">{body}</pre>'
 
+    def block_html(self) -> str:
+        """The link, then the listing: what `show_source` and `reveal_source` display."""
+        return f"<div>{self._repr_html_()}</div>{self.listing_html()}"
+
 
 def source_ref(name: str, marker: str | None = None, end_marker: str | None = None) -> SourceRef:
     """Where `name` (a dotted name in minirt) is defined, computed now from the code.
@@ -314,8 +318,7 @@ def show_source(name: str, marker: str | None = None, end_marker: str | None = N
     """Display the referenced lines with their file, line numbers and link (an HTML output)."""
     from IPython.display import HTML
 
-    ref = source_ref(name, marker, end_marker)
-    return HTML(f"<div>{ref._repr_html_()}</div>{ref.listing_html()}")
+    return HTML(source_ref(name, marker, end_marker).block_html())
 
 
 def reveal_source(name: str, exercise: str, marker: str | None = None, end_marker: str | None = None):
@@ -333,11 +336,15 @@ def reveal_source(name: str, exercise: str, marker: str | None = None, end_marke
     ref = source_ref(name, marker, end_marker)
     summary = (f"minirt's <code>{html.escape(ref.qualname)}</code>: the answer to exercise "
                f"{exercise[2:]}, open it after you pass")
-    return HTML(f'<details data-minirt-reveal="{exercise}"><summary>{summary}</summary>'
-                f"<div>{ref._repr_html_()}</div>{ref.listing_html()}</details>")
+    return HTML(f'<details data-minirt-reveal="{exercise}"><summary>{summary}</summary>{ref.block_html()}</details>')
 
 
 # ===================================================================================== text helpers
+
+
+def html_text(markup: str) -> str:
+    """HTML as the text it shows: tags dropped, entities unescaped."""
+    return html.unescape(re.sub(r"<[^>]+>", "", markup))
 
 
 def inline_html(text: str) -> str:
@@ -504,7 +511,7 @@ class Quiz:
 
     def feedback(self, i: int) -> str:
         """The feedback under question i as plain text."""
-        return html.unescape(re.sub(r"<[^>]+>", "", self.feedbacks[i].value)).strip()
+        return html_text(self.feedbacks[i].value).strip()
 
     def score(self) -> tuple[int, int, int]:
         return sum(self.first_try.values()), len(self.first_try), len(self.questions)

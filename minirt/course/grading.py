@@ -355,6 +355,9 @@ def _judge_task(conn: Connection, task: str, expectations: Expectations, timeout
     return True, None
 
 
+#: A broken connection's reason (`conn.broken`) as the run's status.
+BROKEN_STATUS = {"died": "worker died", "timeout": "worker stopped answering", "output limit": "output limit",
+                 "protocol": "protocol broken"}
 BROKEN_NOTES = {
     "died": "kernel died (the notebook could not go on)",
     "timeout": "timed out: the worker stopped answering and was killed",
@@ -408,9 +411,8 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
         while True:
             msg = conn.recv(min(wall, time.monotonic() + cell_timeout + GRACE))
             if msg is None:
-                status = "wall timeout" if time.monotonic() >= wall else {
-                    "died": "worker died", "timeout": "worker stopped answering", "output limit": "output limit",
-                    "protocol": "protocol broken"}.get(conn.broken or "", "worker died")
+                status = ("wall timeout" if time.monotonic() >= wall else
+                          BROKEN_STATUS.get(conn.broken or "", "worker died"))
                 break
             event = msg.get("event")
             if event == "done":
@@ -448,8 +450,7 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
                     break_reason = conn.broken or "died"
                     notes[task] = BROKEN_NOTES.get(break_reason, BROKEN_NOTES["died"]).format(
                         limit=output_limit // 2**20)
-                    status = {"died": "worker died", "timeout": "worker stopped answering"}.get(break_reason,
-                                                                                                break_reason)
+                    status = BROKEN_STATUS.get(break_reason, "worker died")
                     break
                 else:
                     notes[task] = note

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import pkgutil
 from typing import Any
 
 from minirt.course.checks import REFERENCE_NAMES
@@ -45,17 +46,9 @@ GRADER_MODULES = ("minirt.course.worker", "minirt.course.wire", "minirt.course.p
 CHECKS_PUBLIC = {"CheckFailed", "ToyTokenizer", "tiny_model", "device", "TINY_VOCAB"}
 
 
-def _resolve(name: str) -> Any:
-    module, qualname = name.split(":")
-    obj: Any = importlib.import_module(module)
-    for part in qualname.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def reference_objects(task: str) -> list[Any]:
     """minirt's implementation(s) of this task (functions, classes, unbound methods)."""
-    return [_resolve(n) for n in REFERENCE_NAMES.get(task, ())]
+    return [pkgutil.resolve_name(n) for n in REFERENCE_NAMES.get(task, ())]
 
 
 def _dotted(node: ast.AST) -> list[str] | None:

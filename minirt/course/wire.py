@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import importlib
 import json
+import pkgutil
 from typing import Any
 
 import torch
@@ -117,8 +117,7 @@ def decode(x: Any, device=None, rebuild: bool = False, depth: int = 0) -> Any:
     if "$opaque" in x:
         return Opaque(str(x["$opaque"])[:100], str(x.get("repr", ""))[:300])
     if "$dataclass" in x and rebuild and x["$dataclass"] in DATACLASSES:
-        module, qualname = x["$dataclass"].split(":")
-        cls = getattr(importlib.import_module(module), qualname)
+        cls = pkgutil.resolve_name(x["$dataclass"])
         return cls(**{k: decode(v, device, rebuild, depth + 1) for k, v in x["fields"].items()})
     raise ValueError(f"not an encoded value: keys {sorted(map(str, x))[:4]}")
 
