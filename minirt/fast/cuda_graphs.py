@@ -13,7 +13,7 @@ A graph fixes the address and the shape of every tensor it touches, so:
 * padding rows are one-token sequences that write their K/V into a scratch slot no request owns (one
   extra block at the end of the KV tensor) and attend to it; their outputs are dropped.
 
-Only the Triton attention kernel can be captured: the torch reference keeps the real query rows with a
+Only the Triton and flash-attn kernels can be captured: the torch reference keeps the real query rows with a
 boolean mask (`out[q_valid]`), whose result size depends on the data, and a captured graph cannot allocate
 data-dependent shapes. Prefill steps (their token count varies) run eagerly.
 """

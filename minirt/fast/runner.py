@@ -109,6 +109,18 @@ def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, posit
     slot_mapping.copy_(blocks * block_size + positions % block_size)
 
 
+def fast_parts(plan, model: DecoderModel, num_kv_blocks: int, block_size: int, max_num_seqs: int):
+    """`(kv_cache, kernel, store)` for a plan, once its fast modules are swapped into `model` (`speed_up_model`;
+    none for the reference plan): the plan's attention kernels and a KV cache of `num_kv_blocks` blocks, plus the
+    CUDA graphs' scratch block when the plan captures them. Shared with the tensor-parallel ranks."""
+    if not plan.is_reference:
+        speed_up_model(model, plan)
+    kernel, store = attention_kernels(plan, model.device, max_num_seqs, model.config.num_key_value_heads)
+    kv_cache = allocate_kv_cache(model.config, num_kv_blocks + plan.cuda_graphs, block_size, model.dtype,
+                                 model.device)
+    return kv_cache, kernel, store
+
+
 def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size: int, max_num_seqs: int,
                        max_model_len: int, tensor_parallel_size: int = 1) -> ModelRunner:
     """The engine's model runner for a plan (`minirt.fast.plan.Plan`), with its KV cache of `num_kv_blocks` blocks.
@@ -124,13 +136,10 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
 
         return build_tensor_parallel_runner(tensor_parallel_size, plan, model, num_kv_blocks, block_size,
                                             max_num_seqs, max_model_len)
-    mc = model.config
     if plan.is_reference:
-        return ModelRunner(model, allocate_kv_cache(mc, num_kv_blocks, block_size, model.dtype, model.device),
-                           block_size)
-    speed_up_model(model, plan)
-    kernel, store = attention_kernels(plan, model.device, max_num_seqs, mc.num_key_value_heads)
-    kv_cache = allocate_kv_cache(mc, num_kv_blocks + plan.cuda_graphs, block_size, model.dtype, model.device)
+        return ModelRunner(model, allocate_kv_cache(model.config, num_kv_blocks, block_size, model.dtype,
+                                                    model.device), block_size)
+    kv_cache, kernel, store = fast_parts(plan, model, num_kv_blocks, block_size, max_num_seqs)
     graphs = None
     if plan.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, kernel, store, max_num_seqs, cdiv(max_model_len, block_size),

@@ -17,10 +17,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from minirt.fast.attention import attention_kernels
-from minirt.fast.layers import speed_up_model
-from minirt.fast.runner import FastModelRunner
-from minirt.kv.paged_cache import allocate_kv_cache
+from minirt.fast.runner import FastModelRunner, fast_parts
 from minirt.model.decoder import DecoderModel
 from minirt.parallel.sharding import Communicator, check_shardable, shard_model
 from minirt.parallel.workers import STEP_TIMEOUT_S, RankGroup, RankSpec, free_port, receive_step, send_step
@@ -84,11 +81,7 @@ def build_rank_runner(spec: RankSpec, rank: int, control, group: RankGroup | Non
         model, _ = load_model(spec.checkpoint, device=spec.device_of(rank), dtype=spec.dtype)
     comm = Communicator(rank, spec.world_size, timed=spec.device == "cpu")
     shard_model(model, rank, spec.world_size, comm)
-    plan = spec.plan
-    if not plan.is_reference:
-        speed_up_model(model, plan)
-    kernel, store = attention_kernels(plan, model.device, spec.max_num_seqs, model.config.num_key_value_heads)
-    kv_cache = allocate_kv_cache(model.config, spec.num_kv_blocks, spec.block_size, model.dtype, model.device)
+    kv_cache, kernel, store = fast_parts(spec.plan, model, spec.num_kv_blocks, spec.block_size, spec.max_num_seqs)
     return TensorParallelRunner(model, kv_cache, spec.block_size, kernel, store, rank, control, group)
 
 

@@ -17,6 +17,7 @@ a watchdog thread ends it when its parent process is gone.
 from __future__ import annotations
 
 import datetime
+import itertools
 import logging
 import os
 import re
@@ -34,7 +35,7 @@ from minirt.model_runner import StepInputs
 logger = logging.getLogger(__name__)
 
 #: Seconds a collective of a step may wait for the other ranks before it fails (all-reduce, gather).
-STEP_TIMEOUT_S = float(os.environ.get("MINIRT_TP_TIMEOUT_S", "60"))
+STEP_TIMEOUT_S = 60.0       # MINIRT_TP_TIMEOUT_S overrides it when the runner is built
 #: Seconds the ranks may take to start: spawn, import, load the checkpoint, shard.
 STARTUP_TIMEOUT_S = float(os.environ.get("MINIRT_TP_STARTUP_TIMEOUT_S", "600"))
 #: The control group's timeout: an idle rank waits this long for the next step.
@@ -43,7 +44,7 @@ IDLE_TIMEOUT = datetime.timedelta(days=365)
 JOIN_TIMEOUT_S = 10.0
 
 STOP, STEP = 0, 1
-HEADER = 7        # command, num_tokens, num_seqs, num_sampled, max_query_len, num_block_entries, spare
+HEADER = 7        # command, num_tokens, num_seqs, num_sampled, max_query_len, num_block_entries, payload length
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,10 @@ def pack_step(step: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
     context_lens, the block tables' lengths, their entries, sample_rows, one after another."""
     lens = [len(t) for t in step.block_tables]
     flat = [b for t in step.block_tables for b in t]
-    header = torch.tensor([STEP, len(step.input_ids), len(step.context_lens), len(step.sample_rows),
-                           step.max_query_len, len(flat), 0], dtype=torch.long)
     payload = torch.tensor(step.input_ids + step.positions + step.slots + step.query_start_loc + step.context_lens
                            + lens + flat + step.sample_rows, dtype=torch.long)
+    header = torch.tensor([STEP, len(step.input_ids), len(step.context_lens), len(step.sample_rows),
+                           step.max_query_len, len(flat), len(payload)], dtype=torch.long)
     return header, payload
 
 
@@ -108,7 +109,7 @@ def unpack_step(header: torch.Tensor, payload: torch.Tensor) -> StepInputs:
                       context_lens=take(s), max_query_len=max_q)
     lens = take(s)
     flat = take(sum(lens))
-    starts = [sum(lens[:i]) for i in range(s)]
+    starts = itertools.accumulate(lens, initial=0)
     step.block_tables = [flat[a:a + m] for a, m in zip(starts, lens)]
     step.sample_rows = take(k)
     return step
@@ -132,8 +133,7 @@ def receive_step(group) -> StepInputs | None:
     dist.broadcast(header, src=0, group=group)
     if header[0].item() == STOP:
         return None
-    h = header.tolist()
-    payload = torch.empty(3 * h[1] + 3 * h[2] + 1 + h[5] + h[3], dtype=torch.long)
+    payload = torch.empty(header[6].item(), dtype=torch.long)
     dist.broadcast(payload, src=0, group=group)
     return unpack_step(header, payload)
 
