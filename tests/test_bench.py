@@ -222,3 +222,28 @@ def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
     proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", *argv], capture_output=True,
                           text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"), check=False)
     assert proc.returncode == 2 and words in proc.stderr, (proc.returncode, proc.stderr[-1000:])
+
+
+def test_profile_throughput_script_needs_cuda():
+    if __import__("torch").cuda.is_available():
+        pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
+    assert _benchmark_module("profile_throughput").main(["--quick"]) == 2
+
+
+def test_profile_throughput_ceiling_counts_every_step_of_every_sequence():
+    """`ceiling` against the sum written out by hand: prompts of 1 and 3 tokens, 2 decode steps, 10 bytes of K/V
+    per token of context, 100 bytes of weights, 1,000 bytes/s, 2 parameters, 16 FLOP/s."""
+    ceiling = _benchmark_module("profile_throughput").ceiling
+    got = ceiling([[7], [1, 2, 3]], 2, weight_bytes=100, params=2, kv_bytes_per_token=10, bw=1000.0, flops=16.0)
+    kv = 10 * ((1 + 0) + (1 + 1) + (3 + 0) + (3 + 1))              # context = prompt + step, steps 0 and 1
+    assert got["kv_bytes_read"] == kv == 100
+    assert got["decode_s"] == pytest.approx((2 * 100 + kv) / 1000)
+    assert got["prefill_s"] == pytest.approx(2 * 2 * 4 / 16)
+    assert got["output_tokens_per_s"] == pytest.approx(4 / (0.3 + 1.0))
+
+
+def test_profile_throughput_windows_pick_prefill_steps_and_full_bursts():
+    windows_for = _benchmark_module("profile_throughput").windows_for
+    calls = ([{"kind": "prefill", "rows": r} for r in (8, 16, 24, 32, 40, 48)] + [{"kind": "decode", "rows": 48}]
+             + [{"kind": "burst", "rows": r} for r in (48, 48, 48, 48, 47)])
+    assert windows_for(calls) == {2: ("prefill", 1), 3: ("prefill", 1), 4: ("prefill", 1), 9: ("burst", 3)}
