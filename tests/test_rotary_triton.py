@@ -43,7 +43,10 @@ def check(B, T, num_heads, num_kv_heads, head_dim, rot, norm, dtype, device, mer
 
 
 CASES = [(1, 1, 16, 8, 128, 128, True), (2, 5, 4, 2, 32, 32, True), (1, 7, 4, 4, 64, 32, True),
-         (3, 2, 6, 2, 16, 16, False), (1, 3, 2, 1, 64, 48, False)]    # (B, T, H, Hkv, D, rotary dim, q/k norm)
+         (3, 2, 6, 2, 16, 16, False), (1, 3, 2, 1, 64, 48, False),
+         # from MANY_TOKENS tokens on, programs take several heads (2, 8 and 4 here)
+         (1, 80, 4, 2, 32, 32, True), (2, 40, 16, 8, 64, 48, True), (1, 64, 12, 4, 16, 16, False)]
+# (B, T, H, Hkv, D, rotary dim, q/k norm)
 
 
 @pytest.mark.skipif(not DEVICES, reason="needs CUDA or TRITON_INTERPRET=1")
@@ -145,7 +148,8 @@ def test_norm_and_rotate_triton_argument_errors():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
-def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm):
+@pytest.mark.parametrize("T", [6, 80], ids=["one-head-per-program", "heads-per-program"])
+def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm, T):
     """`norm_rotate_and_store_triton` (chapter 07's `kv_write_in_rotary`) gives the bits of its two-kernel
     equivalent, `norm_and_rotate_triton` then `store_kv_triton`: the same rotated q, the same keys and values in
     the given slots of the paged cache, every other slot untouched."""
@@ -156,7 +160,7 @@ def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm
     from minirt.kernels.rotary_triton import norm_and_rotate_triton, norm_rotate_and_store_triton
 
     gen = torch.Generator().manual_seed(5)
-    T, H, Hkv, D = 6, 4, 2, 32
+    H, Hkv, D = 4, 2, 32
     qkv = torch.randn(1, T, (H + 2 * Hkv) * D, generator=gen).to(dtype).to(device)     # merged: strided tokens
     q, k, _ = (x.view(1, T, -1, D) for x in qkv.split([H * D, Hkv * D, Hkv * D], dim=-1))
     v = torch.randn(1, T, Hkv, D, generator=gen).to(dtype).to(device)              # its own tensor: v's strides
@@ -164,17 +168,19 @@ def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype).to(device) for f in (torch.cos, torch.sin))
     weights = tuple((1 + 0.3 * torch.randn(D, generator=gen)).to(dtype).to(device) for _ in range(2)) + (1e-6,)
     weights = weights if norm else (None, None, 0.0)
-    slots = torch.tensor([9, 2, 17, 4, 30, 11], device=device)
-    fill = torch.randn(8, 4, Hkv, D, generator=gen).to(dtype).to(device)             # 8 blocks of 4 slots
+    num_slots = 32 if T < 32 else 128
+    slots = torch.randperm(num_slots, generator=gen)[:T].to(device)
+    fill = torch.randn(num_slots // 4, 4, Hkv, D, generator=gen).to(dtype).to(device)   # blocks of 4 slots
     k_cache, v_cache = fill.clone(), -fill
     q_want, k_rot = norm_and_rotate_triton(q, k, cos, sin, *weights)
     store_kv_triton(k_cache, v_cache, k_rot[0], v[0], slots)
     k_got, v_got = fill.clone(), -fill
     q_got = norm_rotate_and_store_triton(q, k, v, cos, sin, *weights, k_got, v_got, slots)
     assert torch.equal(q_got, q_want) and torch.equal(k_got, k_cache) and torch.equal(v_got, v_cache)
-    untouched = torch.ones(32, dtype=torch.bool)
+    untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[slots.cpu()] = False
-    assert torch.equal(k_got.view(32, Hkv, D)[untouched.to(device)], fill.view(32, Hkv, D)[untouched.to(device)])
+    assert torch.equal(k_got.view(num_slots, Hkv, D)[untouched.to(device)],
+                       fill.view(num_slots, Hkv, D)[untouched.to(device)])
 
 
 def test_norm_rotate_and_store_argument_errors():

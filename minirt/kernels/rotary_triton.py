@@ -33,48 +33,69 @@ def _round(x, DT: tl.constexpr):
 def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, stride_qt, stride_kt, stride_ct,
                         V, VCache, slot_mapping, stride_vt, stride_slot,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                        ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr):
+                        ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
+                        BLOCK_H: tl.constexpr = 1):
     if PDL:     # programmatic dependent launch: wait for the projection that wrote q and k
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
+    # One program: one token's heads h0 .. h0 + BLOCK_H - 1 of [q heads | k heads | v heads]; BLOCK_H divides
+    # NUM_HEADS and NUM_KV_HEADS, so they are all of one kind.
     token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
+    h0 = tl.program_id(1) * BLOCK_H
+    hh = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, HEAD_DIM)[None, :]
     half: tl.constexpr = ROT // 2
     rotated = d < ROT
     partner = tl.where(d < half, d + half, d - half)                 # rotate_half's source channel
+    rows = hh * HEAD_DIM
     if STORE:   # KOut is the layer's K cache: token's K goes to its slot, and programs past q's and k's heads copy V
         slot = tl.load(slot_mapping + token).to(tl.int64)
-        if head >= NUM_HEADS + NUM_KV_HEADS:
-            v_head = head - NUM_HEADS - NUM_KV_HEADS
-            tl.store(VCache + slot * stride_slot + v_head * HEAD_DIM + d,
-                     tl.load(V + token * stride_vt + v_head * HEAD_DIM + d))
+        if h0 >= NUM_HEADS + NUM_KV_HEADS:
+            v_head = h0 - NUM_HEADS - NUM_KV_HEADS
+            tl.store(VCache + slot * stride_slot + v_head * HEAD_DIM + rows + d,
+                     tl.load(V + token * stride_vt + v_head * HEAD_DIM + rows + d))
             return
-        k_dst = KOut + slot * stride_slot + (head - NUM_HEADS) * HEAD_DIM
+        k_dst = KOut + slot * stride_slot + (h0 - NUM_HEADS) * HEAD_DIM
     else:
-        k_dst = KOut + (token * NUM_KV_HEADS + head - NUM_HEADS) * HEAD_DIM
-    if head < NUM_HEADS:
-        src = Q + token * stride_qt + head * HEAD_DIM
-        dst = QOut + (token * NUM_HEADS + head) * HEAD_DIM
+        k_dst = KOut + (token * NUM_KV_HEADS + h0 - NUM_HEADS) * HEAD_DIM
+    if h0 < NUM_HEADS:
+        src = Q + token * stride_qt + h0 * HEAD_DIM
+        dst = QOut + (token * NUM_HEADS + h0) * HEAD_DIM
         w_ptr = QW
     else:
-        src = K + token * stride_kt + (head - NUM_HEADS) * HEAD_DIM
+        src = K + token * stride_kt + (h0 - NUM_HEADS) * HEAD_DIM
         dst = k_dst
         w_ptr = KW
     # Rounded to the output dtype after each op, as the eager reference and transformers round, so that a
     # bf16 model gives transformers' values (float32: every cast is a no-op).
     dt = QOut.dtype.element_ty
-    x = tl.load(src + d).to(tl.float32)
-    xp = tl.load(src + partner, mask=rotated, other=0.0).to(tl.float32)
+    x = tl.load(src + rows + d).to(tl.float32)
+    xp = tl.load(src + rows + partner, mask=rotated, other=0.0).to(tl.float32)
     if NORM:                                                          # rms_norm: (x * rstd) rounded, times w
-        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / HEAD_DIM + eps)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
         x = _round(tl.load(w_ptr + d).to(tl.float32) * _round(x * rstd, dt), dt)
         xp = _round(tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32) * _round(xp * rstd, dt), dt)
     c = tl.load(Cos + token * stride_ct + d, mask=rotated, other=1.0).to(tl.float32)
     s = tl.load(Sin + token * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
     rotated_half = tl.where(d < half, -xp, xp)                        # rotate_half(x): exact
     out = tl.where(rotated, _round(_round(x * c, dt) + _round(rotated_half * s, dt), dt), x)
-    tl.store(dst + d, out.to(QOut.dtype.element_ty))
+    tl.store(dst + rows + d, out.to(QOut.dtype.element_ty))
+
+
+MANY_TOKENS, MAX_HEADS_PER_PROGRAM = 64, 8
+
+
+def heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
+    """Heads one program of `_norm_rotate_kernel` takes: 1 for fewer than MANY_TOKENS tokens (a decode step of a
+    small batch: one program per head spreads its few rows over the SMs), else the largest power of two up to
+    MAX_HEADS_PER_PROGRAM that divides both head counts (a large batch or a prefill chunk: (token, head)
+    programs of one head each are too small to pay for themselves)."""
+    if num_tokens < MANY_TOKENS:
+        return 1
+    h = 1
+    while h < MAX_HEADS_PER_PROGRAM and num_heads % (2 * h) == 0 and num_kv_heads % (2 * h) == 0:
+        h *= 2
+    return h
 
 
 def _check(q, k, cos, sin, q_weight, k_weight):
@@ -100,18 +121,21 @@ def _check(q, k, cos, sin, q_weight, k_weight):
 
 
 def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl, store=None):
-    """One launch: grid (tokens, q heads + k heads [+ v heads when store = (v, v_cache, slot_mapping)])."""
+    """One launch: grid (tokens, (q heads + k heads [+ v heads when store = (v, v_cache, slot_mapping)]) / heads per
+    program)."""
     B, T, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
     if B * T == 0:
         return
     norm = q_weight is not None
     v, v_cache, slots = store if store is not None else (q, q, q)       # unused without store
-    _norm_rotate_kernel[(B * T, num_heads + num_kv_heads * (2 if store is not None else 1))](
+    block_h = heads_per_program(B * T, num_heads, num_kv_heads)
+    heads = num_heads + num_kv_heads * (2 if store is not None else 1)
+    _norm_rotate_kernel[(B * T, heads // block_h)](
         q, k, q_out, k_out, cos, sin, q_weight if norm else q, k_weight if norm else k, eps,
         q.stride(1), k.stride(1), cos.shape[-1], v, v_cache, slots, v.stride(-3), v_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=cos.shape[-1], NORM=norm, PDL=pdl,
-        STORE=store is not None, **({"launch_pdl": True} if pdl else {}))
+        STORE=store is not None, BLOCK_H=block_h, **({"launch_pdl": True} if pdl else {}))
 
 
 def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
