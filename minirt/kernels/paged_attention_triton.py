@@ -24,13 +24,13 @@ from minirt.attention import PagedAttentionMetadata
 from minirt.kernels import num_sms
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_bt"])     # the block tables' width changes every step: one compile serves all
 def _paged_attention_kernel(
     Q, K, V, Out, PartAcc, PartM, PartL, Counters, block_tables, context_lens, query_start_loc, scale,
     stride_qt, stride_qh, stride_kb, stride_ks, stride_kh, stride_bt, stride_ot, stride_oh,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, LAST_COMBINES: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, LAST_COMBINES: tl.constexpr, ROWS: tl.constexpr = 0,
 ):
     if PDL:     # programmatic dependent launch: this kernel may start while the one before it runs
         tl.extra.cuda.gdc_launch_dependents()
@@ -46,7 +46,12 @@ def _paged_attention_kernel(
     q_start = tl.load(query_start_loc + seq)
     q_len = tl.load(query_start_loc + seq + 1) - q_start
     ctx = tl.load(context_lens + seq)
-    if tile * TOKENS >= q_len:
+    skip = tile * TOKENS >= q_len
+    if ROWS == 1:                                         # this launch takes the one-token sequences only
+        skip = skip | (q_len != 1)
+    elif ROWS == 2:                                       # ... and this one the others (see ROWS_ALL)
+        skip = skip | (q_len == 1)
+    if skip:
         if PDL:
             tl.extra.cuda.gdc_wait()      # every program waits before it ends: completion stays in order
         return
@@ -191,6 +196,17 @@ def _combine_splits_kernel(Out, PartAcc, PartM, PartL, stride_ot, stride_oh,
     tl.store(Out + token * stride_ot + head * stride_oh + d, out.to(Out.dtype.element_ty))
 
 
+ROWS_ALL, ROWS_ONE_TOKEN, ROWS_CHUNKS = 0, 1, 2
+# Tiles by kind of launch: (BLOCK_N keys, num_warps, num_stages), and for prefill chunks BLOCK_M query rows too.
+# A decode tile holds one token's query group: rows are cheap, the keys streamed per iteration are what counts.
+# A chunk tile holds CHUNK_BLOCK_M rows, so that each K/V tile it loads serves many query rows. The sweeps behind
+# these choices: benchmarks/README.md, "The throughput workload against its ceiling".
+DECODE_TILE = (128, 4, 2)          # one program per (sequence, KV head)
+SPLIT_TILE = (64, 4, 3)            # split-KV launches: their shares and the K/V prefetch are sized by 64 keys
+CHUNK_BLOCK_M, CHUNK_TILE = 128, (64, 8, 3)
+CHUNK_MIN_TOKENS = 16              # a step whose longest chunk is shorter keeps one launch of decode-sized tiles
+
+
 def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
     """How many programs share each decode's keys: 1 unless the batch is all decodes and has fewer
     (sequence, KV head) programs than twice the GPU's SMs; then a power of two up to 16 that fills them.
@@ -206,6 +222,11 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: PagedAttentionMetadata, num_splits: int | None = None, pdl: bool = False,
                            split_counters: torch.Tensor | None = None, prefetch_kv: bool = True) -> torch.Tensor:
     """q `[num_tokens, H, D]`, k/v cache `[num_blocks, block_size, Hkv, D]` -> `[num_tokens, H, D]`.
+
+    One launch for a decode batch; a step whose chunks have `CHUNK_MIN_TOKENS` new tokens or more (and no split-KV)
+    takes two, one for its one-token sequences and one with larger query tiles (`CHUNK_BLOCK_M` rows) for the
+    chunks, so that each K/V tile loaded serves many query rows (FlashAttention's tiling) while decodes keep tiles
+    sized for one token.
 
     num_splits: programs per (sequence, KV head) that share its keys (a power of two; split-KV, Dao et al.
     2023, "Flash-Decoding for long-context inference"; FlashAttention's `num_splits`). None chooses with
@@ -257,15 +278,30 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                              f"{split_counters.numel()} elements on {split_counters.device}")
     block_tables = meta.block_tables.contiguous()
     launch = {"launch_pdl": True} if pdl else {}
+    args = (q, k_cache, v_cache, out, part_acc, part_m, part_l, split_counters if last_combines else out,
+            block_tables, meta.context_lens, meta.query_start_loc, head_dim ** -0.5,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            block_tables.stride(0), out.stride(0), out.stride(1))
+    common = dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, IEEE=q.dtype == torch.float32, PDL=pdl,
+                  **launch)
+    if num_splits == 1 and meta.max_query_len >= CHUNK_MIN_TOKENS:
+        # A step with long prefill chunks: two launches over all its sequences, each taking one kind and skipping
+        # the other's (a skipped program returns at once). Chunks get tiles of CHUNK_BLOCK_M query rows; one-token
+        # rows in such tiles would waste all but GROUP rows of every product, so they keep the decode tiles.
+        block_n, warps, stages = DECODE_TILE
+        _paged_attention_kernel[grid[:2] + (1,)](
+            *args, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=1, PREFETCH=False, LAST_COMBINES=False,
+            ROWS=ROWS_ONE_TOKEN, num_warps=warps, num_stages=stages, **common)
+        chunk_m = max(CHUNK_BLOCK_M, block_m)
+        block_n, warps, stages = CHUNK_TILE
+        _paged_attention_kernel[grid[:2] + (triton.cdiv(meta.max_query_len, chunk_m // group),)](
+            *args, BLOCK_M=chunk_m, BLOCK_N=block_n, NUM_SPLITS=1, PREFETCH=False, LAST_COMBINES=False,
+            ROWS=ROWS_CHUNKS, num_warps=warps, num_stages=stages, **common)
+        return out
+    block_n, warps, stages = SPLIT_TILE if num_splits > 1 else DECODE_TILE
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_acc, part_m, part_l, split_counters if last_combines else out, block_tables,
-        meta.context_lens, meta.query_start_loc,
-        head_dim ** -0.5,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=block_size, HEAD_DIM=head_dim, GROUP=group, BLOCK_M=block_m, BLOCK_N=64,
-        NUM_SPLITS=num_splits, IEEE=q.dtype == torch.float32, PDL=pdl, PREFETCH=prefetch_kv and num_splits > 1,
-        LAST_COMBINES=last_combines, **launch)
+        *args, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, PREFETCH=prefetch_kv and num_splits > 1,
+        LAST_COMBINES=last_combines, ROWS=ROWS_ALL, num_warps=warps, num_stages=stages, **common)
     if num_splits > 1 and not last_combines:
         _combine_splits_kernel[(num_tokens, num_heads)](out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
                                                         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, **launch)
