@@ -483,6 +483,8 @@ ON_OFF_SWITCHES = (
     ("prefetch_kv", "minirt's attention kernel loads earlier steps' K/V before its PDL wait (auto: with PDL)"),
     ("l2_prefetch", "minirt's one-row GEMVs ask L2 for the next GEMV's weights (auto: with the GEMV kernel, merged "
                     "projections and PDL)"),
+    ("overlap_scheduling", "minirt launches the next decode burst before taking this one's tokens (auto: with "
+                           "multi-step decode)"),
 )
 
 

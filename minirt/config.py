@@ -16,7 +16,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 #: Switches that are True, False or None (None: on where the rules of `minirt.fast.plan` say it pays).
 AUTO_SWITCHES = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl",
-                 "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch")
+                 "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling")
 
 
 def _is_int(value) -> bool:
@@ -49,7 +49,8 @@ class EngineConfig:
     rotation in one Triton kernel. pdl: programmatic dependent launch of the Triton kernels (Hopper or later).
     kv_write_in_rotary: the K/V cache write inside the rotary kernel. combine_in_attention: the split-KV combine
     inside the attention kernel. prefetch_kv: split-KV attention loads earlier steps' K/V before its PDL wait.
-    l2_prefetch: each one-row GEMV asks the L2 cache for the next GEMV's weights.
+    l2_prefetch: each one-row GEMV asks the L2 cache for the next GEMV's weights. overlap_scheduling: with
+    multi-step decode, the next burst of the same requests is launched before the host takes this one's tokens.
     """
 
     device: object = None
@@ -76,6 +77,7 @@ class EngineConfig:
     combine_in_attention: bool | None = False
     prefetch_kv: bool | None = None
     l2_prefetch: bool | None = None
+    overlap_scheduling: bool | None = None
     # chapter 09: processes the model is sharded over (`minirt.parallel`; 1: this process only)
     tensor_parallel_size: int = 1
 

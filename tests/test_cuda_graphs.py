@@ -46,9 +46,10 @@ def spy_on(graphs: DecodeGraphs) -> list[int]:
     return sizes
 
 
-def padded_engine(path, num_scheduler_steps: int = 1, **kw) -> "minirt.LLM":
+def padded_engine(path, num_scheduler_steps: int = 1, overlap_scheduling: bool | None = None, **kw) -> "minirt.LLM":
     """An LLM whose runner (a `FastModelRunner`, as the plan builds it with CUDA graphs) sends every
-    one-token-per-sequence step through `DecodeGraphs(capture=False)`, with the torch reference kernel."""
+    one-token-per-sequence step through `DecodeGraphs(capture=False)`, with the torch reference kernel.
+    overlap_scheduling: None = on with bursts (the plan's default)."""
     llm = minirt.LLM(model=path, device="cpu", dtype=torch.float32, block_size=4, **kw)
     engine = llm.engine
     n_blocks, cfg = engine.pool.num_blocks, engine.config
@@ -56,7 +57,9 @@ def padded_engine(path, num_scheduler_steps: int = 1, **kw) -> "minirt.LLM":
     graphs = DecodeGraphs(engine.model, kv_cache, paged_attention_reference, store_kv, cfg.max_num_seqs,
                           cdiv(cfg.max_model_len, 4), scratch_block=n_blocks, capture=False)
     engine.model_runner = FastModelRunner(engine.model, kv_cache, 4, paged_attention_reference, store_kv, graphs)
-    engine.plan = dataclasses.replace(engine.plan, cuda_graphs=True, num_scheduler_steps=num_scheduler_steps)
+    overlap = num_scheduler_steps > 1 if overlap_scheduling is None else overlap_scheduling
+    engine.plan = dataclasses.replace(engine.plan, cuda_graphs=True, num_scheduler_steps=num_scheduler_steps,
+                                      overlap_scheduling=overlap)
     engine.step = build_step(engine)
     return llm
 

@@ -24,29 +24,46 @@ def greedy(n, **kw):
 
 
 def spy_on_bursts(llm) -> list[int]:
-    """Record the step count of every `execute_decode_steps` call, and check the scheduler after every step."""
-    counts = []
+    """Record the step count of every burst launched (`start_decode_steps`, which `execute_decode_steps` calls,
+    and `continue_decode_steps`), and check the scheduler after every step. The list's `continued` attribute
+    holds the counts of the bursts launched before the one before them was taken (overlap scheduling)."""
+    counts = Counts()
     runner = llm.engine.model_runner
-    run = runner.execute_decode_steps
+    start, cont = runner.start_decode_steps, runner.continue_decode_steps
 
-    def counting(items, num_steps):
+    def starting(items, num_steps):
         counts.append(num_steps)
-        return run(items, num_steps)
+        return start(items, num_steps)
 
-    runner.execute_decode_steps = counting
+    def continuing(burst, num_steps):
+        counts.append(num_steps)
+        counts.continued.append(num_steps)
+        return cont(burst, num_steps)
+
+    runner.start_decode_steps, runner.continue_decode_steps = starting, continuing
     llm.engine.step_callbacks.append(lambda engine, batch: engine.scheduler.check_invariants())
     return counts
 
 
-def build(path, how, steps, **kw):
+class Counts(list):
+    def __init__(self):
+        super().__init__()
+        self.continued = []
+
+
+OVERLAP = pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+
+
+def build(path, how, steps, overlap=True, **kw):
     if how == "eager":
-        return minirt.LLM(model=path, **KW, num_scheduler_steps=steps, **kw)
-    return padded_engine(path, num_scheduler_steps=steps, **kw)     # the CUDA-graph path's static buffers, eagerly
+        return minirt.LLM(model=path, **KW, num_scheduler_steps=steps, overlap_scheduling=overlap, **kw)
+    return padded_engine(path, num_scheduler_steps=steps, overlap_scheduling=overlap, **kw)  # the graphs' buffers
 
 
+@OVERLAP
 @pytest.mark.parametrize("how", ["eager", "static buffers"])
-def test_multi_step_equals_transformers(tiny_model_path, how):
-    llm = build(tiny_model_path, how, 4, max_num_seqs=8)
+def test_multi_step_equals_transformers(tiny_model_path, how, overlap):
+    llm = build(tiny_model_path, how, 4, overlap, max_num_seqs=8)
     bursts = spy_on_bursts(llm)
     rng = random.Random(3)
     prompts = random_prompts(21, [rng.randint(1, 14) for _ in range(6)])
@@ -60,21 +77,72 @@ def test_multi_step_equals_transformers(tiny_model_path, how):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+@OVERLAP
 @pytest.mark.parametrize("how", ["eager", "static buffers"])
-def test_a_stop_part_way_through_a_burst(tiny_models, how):
+def test_a_stop_part_way_through_a_burst(tiny_models, how, overlap):
     """A request that hits a stop token in the middle of a burst ends there (the later tokens are dropped, its
-    blocks freed) while the other request of the burst carries on unchanged."""
+    blocks freed) while the other request of the burst carries on unchanged. With overlap scheduling the next
+    burst is already running when the stop is found: its tokens for the stopped request are dropped too, and the
+    one after it is scheduled afresh."""
     path = tiny_models["qwen3"]
     prompts = random_prompts(22, [6, 9])
-    full = hf_greedy(path, prompts[0], 12)
-    j = next(i for i in range(2, 12) if full[i] not in full[:i])     # tokens 1..8 come from the first burst
-    llm = build(path, how, 8, max_num_seqs=4)
+    full = hf_greedy(path, prompts[0], 16)
+    j = next(i for i in range(2, 9) if full[i] not in full[:i])      # tokens 1..8 come from the first burst
+    llm = build(path, how, 8, overlap, max_num_seqs=4)
     bursts = spy_on_bursts(llm)
-    outs = llm.generate(prompts, [greedy(12, stop_token_ids=[full[j]]), greedy(12)])
+    outs = llm.generate(prompts, [greedy(16, stop_token_ids=[full[j]]), greedy(20)])
     assert outs[0].token_ids == full[:j + 1] and outs[0].finish_reason == "stop"
-    assert outs[1].token_ids == hf_greedy(path, prompts[1], 12)
-    assert 8 in bursts
+    assert outs[1].token_ids == hf_greedy(path, prompts[1], 20)
+    assert bursts[0] == 8 and bursts.continued[:1] == ([7] if overlap else []), bursts
     stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@OVERLAP
+@pytest.mark.parametrize("how", ["eager", "static buffers"])
+def test_overlap_launches_the_next_burst_before_taking_tokens(tiny_models, how, overlap):
+    """Requests that all have tokens to go: with overlap scheduling every burst after the first is launched from
+    the device state the one before left (`continue_decode_steps`), and the tokens are transformers' still; the
+    last burst is cut to the tokens left, and none runs past a request's max_new_tokens."""
+    path = tiny_models["llama"]
+    prompts = random_prompts(27, [5, 11, 3])
+    llm = build(path, how, 4, overlap, max_num_seqs=4)
+    bursts = spy_on_bursts(llm)
+    outs = llm.generate(prompts, [greedy(20)] * 3)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(path, p, 20)
+    assert bursts == [4, 4, 4, 4, 3] and bursts.continued == ([4, 4, 4, 3] if overlap else []), bursts
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@OVERLAP
+def test_arrivals_and_aborts_while_a_burst_is_in_flight(tiny_models, overlap):
+    """A request that arrives, and one that is aborted, while bursts run (with overlap, while the next burst is
+    already launched): the running request's tokens stay transformers', the newcomer's too, the aborted one ends
+    with "abort", the bookkeeping holds after every step and every block is free at the end."""
+    path = tiny_models["llama"]
+    pa, pb, pc = random_prompts(28, [6, 4, 9])
+
+    async def main():
+        async with minirt.Engine(model=path, **KW, num_scheduler_steps=4, overlap_scheduling=overlap,
+                                 max_num_seqs=4) as engine:
+            engine.step_callbacks.append(lambda e, batch: e.scheduler.check_invariants())
+            ids, later = [], []
+            async for delta in engine.stream(pa, greedy(40)):
+                ids.extend(delta.token_ids)
+                if len(ids) >= 6 and not later:
+                    later = [asyncio.ensure_future(engine.generate(pb, greedy(12))),
+                             asyncio.ensure_future(engine.generate(pc, greedy(40), request_id="c"))]
+                elif later and len(ids) >= 20 and engine.abort("c"):
+                    pass
+            b, c = await asyncio.gather(*later)
+            return ids, b, c, engine.stats()
+
+    ids, b, c, stats = asyncio.run(main())
+    assert ids == hf_greedy(path, pa, 40)
+    assert b.token_ids == hf_greedy(path, pb, 12) and b.finish_reason == "length"
+    assert c.finish_reason == "abort" and c.token_ids == hf_greedy(path, pc, len(c.token_ids))
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 

@@ -14,7 +14,7 @@ from minirt.config import EngineConfig
 from minirt.fast import Hardware, Plan, resolve_plan
 
 ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
-          "combine_in_attention", "prefetch_kv", "l2_prefetch")
+          "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling")
 #: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
 #: (cuda_graphs needs the Triton kernel or flash-attn's: `expected` below)
 NEEDS = {"split_kv": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
@@ -66,7 +66,10 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
         on[name] = asked[name] if asked[name] is not None else possible and auto.get(name, lambda: True)()
     flash, triton = on.pop("flash_attn"), on.pop("triton")
     on["attention_backend"] = "flash_attn" if flash else "triton" if triton else "torch"
-    on["num_scheduler_steps"] = cfg.num_scheduler_steps or (8 if on["cuda_graphs"] else 1)
+    on["num_scheduler_steps"] = steps = cfg.num_scheduler_steps or (8 if on["cuda_graphs"] else 1)
+    if asked["overlap_scheduling"] is True and steps < 2:        # it needs bursts to overlap
+        return "overlap_scheduling"
+    on["overlap_scheduling"] = asked["overlap_scheduling"] if asked["overlap_scheduling"] is not None else steps > 1
     return on
 
 
@@ -99,7 +102,7 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
     assert plan == Plan(attention_backend="triton", split_kv=True, cuda_graphs=True, fused_ops=True,
                         merge_projections=True, gemv=True, num_scheduler_steps=8, norm_in_gemv=True,
                         rotary_kernel=True, pdl=True, kv_write_in_rotary=True, combine_in_attention=False,
-                        prefetch_kv=True, l2_prefetch=True)
+                        prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True)
     with pytest.raises(Exception):
         plan.gemv = False                                       # frozen: what runs is what the plan says
 
@@ -115,6 +118,8 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
     ("combine_in_attention", True, r"combine_in_attention: .* needs attention_backend='triton' \(off: needs a CUDA"),
     ("prefetch_kv", True, r"prefetch_kv: .* needs pdl \(off: needs a CUDA device \(got cpu\)\) and split_kv"),
     ("l2_prefetch", True, r"l2_prefetch: the bulk prefetch into L2 needs a CUDA device \(got cpu\) and gemv"),
+    ("overlap_scheduling", True, r"overlap_scheduling: launching the next burst before taking this one's tokens needs "
+                                 r"num_scheduler_steps > 1 \(off: num_scheduler_steps=None is on only 8 with CUDA"),
     ("norm_in_gemv", True, r"norm_in_gemv: the GEMV's norm prologue needs gemv \(off: needs a CUDA device "
                            r"\(got cpu\)\) and merge_projections \(off: merge_projections=None is on only on CUDA\)"),
 ])
@@ -155,6 +160,6 @@ def test_llm_and_engine_show_every_setting_in_their_signature():
 
 def test_the_engine_reports_its_plan(tiny_models):
     llm = minirt.LLM(tiny_models["llama"], device="cpu", merge_projections=True, num_scheduler_steps=3)
-    assert llm.engine.plan == Plan(merge_projections=True, num_scheduler_steps=3)
+    assert llm.engine.plan == Plan(merge_projections=True, num_scheduler_steps=3, overlap_scheduling=True)
     assert type(llm.engine.model_runner).__name__ == "FastModelRunner"
     assert type(minirt.LLM(tiny_models["llama"], device="cpu").engine.model_runner).__name__ == "ModelRunner"

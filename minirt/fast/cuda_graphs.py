@@ -141,6 +141,23 @@ class DecodeGraphs:
             self.copies_pending = True
         return self.replay(num_seqs)
 
+    def update_tables(self, block_tables: list[list[int]]) -> None:
+        """Copy the block tables of the first `len(block_tables)` rows to the device again, and nothing else: the
+        other inputs stay as the steps on the device left them (a continued burst, `minirt.fast.multi_step`).
+        The copy is queued after the work already on the stream, so steps in flight read the old tables."""
+        size = self.sizes[bisect.bisect_left(self.sizes, len(block_tables))]
+        if self.copies_pending:
+            self.copies_done.synchronize()
+        ht = self.host_tables.numpy()
+        for row, table in enumerate(block_tables):
+            ht[row, :len(table)] = table
+        start = self.host_vectors.numel()
+        end = start + size * self.max_blocks_per_seq
+        self.buffer[start:end].copy_(self.host_buffer[start:end], non_blocking=True)
+        if self.copies_done is not None:
+            self.copies_done.record()
+            self.copies_pending = True
+
     def replay(self, num_seqs: int) -> torch.Tensor:
         """Run the forward of `num_seqs` rows on the static buffers as they stand (`run` fills them from the
         host; `minirt.fast.runner.advance_decode_inputs` moves them on by one step on the device).

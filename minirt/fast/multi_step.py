@@ -1,6 +1,12 @@
 """Multi-step decode: when every admitted request is decoding, one engine step runs several decode steps back to
 back on the device, and the engine takes their tokens in order, as if from single steps (vLLM 0.6's
-`--num-scheduler-steps`). `build_step` picks the engine's step function once, at construction."""
+`--num-scheduler-steps`). `build_step` picks the engine's step function once, at construction.
+
+Overlap scheduling (the plan's `overlap_scheduling`; SGLang's overlap scheduler, vLLM's async scheduling): while a
+burst runs, the host has nothing to do but wait for its tokens, and while the host takes them (postprocess) and
+prepares the next burst, the GPU has nothing to do. When the next burst would run the same requests, it is launched
+first, from the inputs the running burst leaves on the device (`decode_steps_after`); then the host reads the
+running burst's tokens while the GPU works on the next."""
 
 from __future__ import annotations
 
@@ -35,6 +41,32 @@ def decode_steps_ahead(scheduler: Scheduler, max_steps: int) -> int:
     return steps
 
 
+def decode_steps_after(scheduler: Scheduler, batch, in_flight: int, max_steps: int) -> int:
+    """How many decode steps may follow a burst of `in_flight` steps of `batch` that the engine has not taken the
+    tokens of yet, launched before it does, with their blocks allocated here; 1 means none (the burst's tokens are
+    taken first, and the next step is scheduled as usual).
+
+    More than one only when the burst's requests are still exactly the admitted ones, all decoding and none
+    finished (a stop in the burst in flight is found only when its tokens are taken: the steps after it compute
+    tokens the engine drops, as within a burst), none waits, every request may generate that many tokens after the
+    `in_flight` ones, and the free blocks cover them. Blocks are only ever allocated here and in scheduling, and
+    neither happens while a request that finished may still write K/V into blocks it freed: once one has finished,
+    the next call returns 1 and the engine waits for the steps in flight before it schedules again.
+    """
+    running = scheduler.running_requests
+    if (max_steps < 2 or scheduler.waiting_queue or scheduler.prefilling_requests
+            or len(running) != len(batch.items) or any(r.is_finished for r, _ in batch.items)):
+        return 1
+    steps = min(max_steps, *(r.params.max_new_tokens - r.num_output_tokens - in_flight for r in running))
+    B = scheduler.config.block_size
+    missing = [cdiv(r.num_computed_tokens + in_flight + steps, B) - len(r.block_table) for r in running]
+    if steps < 2 or sum(m for m in missing if m > 0) > scheduler.pool.num_free_blocks:
+        return 1
+    for request, m in zip(running, missing):
+        request.block_table += [scheduler.pool.allocate() for _ in range(m)]
+    return steps
+
+
 def build_step(engine):
     """The engine's step: `Engine.step` where the plan runs single steps, else a step that runs a burst of up to
     `plan.num_scheduler_steps` decode steps whenever it can (with the runner's `execute_decode_steps`,
@@ -43,6 +75,8 @@ def build_step(engine):
     single_step = type(engine).step.__get__(engine)     # the class's, even where an engine's step was swapped
     if max_steps == 1:
         return single_step
+    if engine.plan.overlap_scheduling:
+        return _overlapped_step(engine, max_steps, single_step)
 
     def multi_step() -> bool:
         num_steps = decode_steps_ahead(engine.scheduler, max_steps)
@@ -59,3 +93,39 @@ def build_step(engine):
         return True
 
     return multi_step
+
+
+def _overlapped_step(engine, max_steps: int, single_step):
+    """`build_step`'s multi-step decode with overlap scheduling (see the module docstring): a burst is launched
+    and left in flight; each step launches the burst after it where `decode_steps_after` allows, then takes the
+    tokens of the one in flight. The runner's `start_decode_steps`, `continue_decode_steps` and
+    `finish_decode_steps` (`minirt.fast.runner.FastModelRunner`) launch and read them."""
+    in_flight = None                                 # (batch, burst): launched, its tokens not taken yet
+
+    def overlapped_step() -> bool:
+        nonlocal in_flight
+        runner = engine.model_runner
+        try:
+            if in_flight is None:
+                num_steps = decode_steps_ahead(engine.scheduler, max_steps)
+                if num_steps == 1:
+                    return single_step()
+                batch = engine.scheduler.schedule()
+                engine.start_step(batch)
+                in_flight = (batch, runner.start_decode_steps(batch.items, num_steps))
+            batch, burst = in_flight
+            more = decode_steps_after(engine.scheduler, batch, len(burst.tokens), max_steps)
+            following = runner.continue_decode_steps(burst, more) if more > 1 else None
+            requests, token_steps = runner.finish_decode_steps(burst)
+        except BaseException:
+            in_flight = None                         # the engine fails every request; nothing stays in flight
+            raise
+        in_flight = (batch, following) if following is not None else None
+        now = time.perf_counter()                    # the burst's tokens arrive together
+        for tokens in token_steps:
+            engine.postprocess(batch, requests, tokens, now)
+        engine.num_steps += len(token_steps) - 1     # end_step counts the first
+        engine.end_step(batch)
+        return True
+
+    return overlapped_step

@@ -77,6 +77,7 @@ class Plan:
     combine_in_attention: bool = False
     prefetch_kv: bool = False
     l2_prefetch: bool = False
+    overlap_scheduling: bool = False
 
     @property
     def is_reference(self) -> bool:
@@ -150,6 +151,14 @@ def _one_process(r: _Resolution) -> list[str]:
     return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks run no graphs, GEMVs or bursts)"]
 
 
+def _bursts(r: _Resolution) -> list[str]:
+    """What overlap scheduling lacks: bursts of decode steps to overlap (multi-step decode)."""
+    steps = r.on["num_scheduler_steps"]
+    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1:
+        return []
+    return [_Off("num_scheduler_steps > 1", r.why_off["num_scheduler_steps"])]
+
+
 RULES: tuple[Rule, ...] = (
     # attention_backend is one field and two rows: "flash_attn" (minirt.fast.flash_attn), then "triton".
     # auto keeps minirt's Triton kernel: with split-KV it decodes faster than flash-attn-4, which has no split-KV
@@ -187,6 +196,8 @@ RULES: tuple[Rule, ...] = (
          lambda r: True, "with PDL and split-KV Triton attention"),
     Rule("l2_prefetch", "the bulk prefetch into L2", lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections")],
          lambda r: bool(r.on["pdl"]), "with the GEMV kernel, merged projections and PDL"),
+    Rule("overlap_scheduling", "launching the next burst before taking this one's tokens", _bursts, lambda r: True,
+         "with multi-step decode"),
 )
 RULE_BY_NAME = {rule.name: rule for rule in RULES}
 

@@ -3,6 +3,10 @@ decode's bursts (`FastModelRunner`), built once from a plan by `build_model_runn
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
 from minirt.config import cdiv
@@ -57,7 +61,14 @@ class FastModelRunner(ModelRunner):
         block tables already hold `num_steps` new tokens (`minirt.fast.multi_step.decode_steps_ahead`). Returns the
         requests and their tokens, `[num_steps][num_requests]`; a request that stops part-way (EOS, a stop string)
         gets tokens past its end, which the engine drops. Raises ValueError if an item is not a decode.
+        The same as `finish_decode_steps(start_decode_steps(items, num_steps))`.
         """
+        return self.finish_decode_steps(self.start_decode_steps(items, num_steps))
+
+    @torch.inference_mode()
+    def start_decode_steps(self, items: list[tuple[Request, int]], num_steps: int) -> "DecodeBurst":
+        """Launch `execute_decode_steps`' steps and return at once, before the GPU has run them: a `DecodeBurst`
+        whose tokens `finish_decode_steps` reads, and which `continue_decode_steps` can extend first."""
         step = self.prepare_lists(items)
         requests = step.sample_requests
         if step.max_query_len != 1 or len(requests) != len(items):
@@ -65,31 +76,83 @@ class FastModelRunner(ModelRunner):
         graphs, num_seqs = self.decode_graphs, len(items)
         if graphs is not None and num_seqs <= graphs.sizes[-1]:
             hidden = graphs.run(step.input_ids, step.positions, step.slots, step.context_lens, step.block_tables)
-            inputs, meta = graphs.inputs(num_seqs), None
+            burst = DecodeBurst(requests, graphs.inputs(num_seqs), functools.partial(graphs.replay, num_seqs))
         else:
             input_ids, positions, meta = self.to_device(step)
-            width = cdiv(meta.max_context_len + num_steps - 1, self.block_size)     # the later steps' blocks too
-            meta.block_tables = torch.tensor(pad_block_tables(step.block_tables, width), device=self.device)
+            meta.block_tables = self._block_tables(requests, meta.max_context_len + num_steps - 1)
             attn = self.attention(meta)
             hidden = self.model(input_ids, positions, attn=attn)[0]
-            inputs = (input_ids[0], positions[0], meta.slot_mapping, meta.context_lens, meta.block_tables)
-        tensors = self.sampling_tensors(requests)                          # once per burst
+
+            def forward():
+                meta.max_context_len += 1
+                return self.model(input_ids, positions, attn=attn)[0]
+
+            burst = DecodeBurst(requests, [input_ids[0], positions[0], meta.slot_mapping, meta.context_lens,
+                                           meta.block_tables], forward, meta)
+        burst.sample = self._sampler(requests)                            # once per burst
+        burst.tokens.append(burst.sample(hidden))
+        self._more_steps(burst, burst.tokens[-1], num_steps - 1)
+        return burst
+
+    @torch.inference_mode()
+    def continue_decode_steps(self, burst: "DecodeBurst", num_steps: int) -> "DecodeBurst":
+        """Launch `num_steps` more decode steps of `burst`'s requests after its last, before its tokens are read:
+        the GPU goes on from the inputs `burst` left on the device while the host takes `burst`'s tokens
+        (`minirt.fast.multi_step`, overlap scheduling). Each request's block table must already hold blocks for the
+        new steps; the device's copy of the tables is refreshed from them first. Returns the new burst."""
+        after = DecodeBurst(burst.requests, burst.inputs, burst.forward, burst.meta, burst.sample)
+        if burst.meta is None:
+            self.decode_graphs.update_tables([r.block_table for r in burst.requests])
+        else:
+            tables = self._block_tables(burst.requests, burst.meta.max_context_len + num_steps)
+            burst.meta.block_tables = after.inputs[4] = tables
+        self._more_steps(after, burst.tokens[-1], num_steps)
+        return after
+
+    def finish_decode_steps(self, burst: "DecodeBurst") -> tuple[list[Request], list[list[int]]]:
+        """The burst's requests and their tokens, `[num_steps][num_requests]` (waits for the GPU)."""
+        return burst.requests, torch.stack(burst.tokens).tolist()
+
+    def _block_tables(self, requests: list[Request], max_context_len: int) -> torch.Tensor:
+        """The requests' block tables on the device, padded to the blocks of `max_context_len` tokens."""
+        width = cdiv(max_context_len, self.block_size)
+        tables = torch.tensor(pad_block_tables([r.block_table for r in requests], width))
+        if self.device.type != "cuda":
+            return tables.to(self.device)
+        return tables.pin_memory().to(self.device, non_blocking=True)     # no wait for the steps in flight
+
+    def _sampler(self, requests: list[Request]):
+        """hidden `[num_requests, hidden]` -> next tokens: `ModelRunner.sample` with its tensors built once."""
+        tensors = self.sampling_tensors(requests)
         generators = [r.generator for r in requests]
 
-        def next_tokens(hidden):                                           # `ModelRunner.sample` with those
+        def next_tokens(hidden):
             logits = self.model.compute_logits(hidden)
             return logits.argmax(dim=-1) if tensors is None else sample(logits, *tensors, generators)
 
-        tokens = [next_tokens(hidden)]
-        for _ in range(num_steps - 1):
-            advance_decode_inputs(tokens[-1], *inputs, self.block_size)
-            if meta is None:
-                hidden = graphs.replay(num_seqs)
-            else:
-                meta.max_context_len += 1
-                hidden = self.model(input_ids, positions, attn=attn)[0]
-            tokens.append(next_tokens(hidden))
-        return requests, torch.stack(tokens).tolist()
+        return next_tokens
+
+    def _more_steps(self, burst: "DecodeBurst", last: torch.Tensor, num_steps: int) -> None:
+        """Launch `num_steps` steps of `burst`, the first one's inputs made from the tokens `last`."""
+        for _ in range(num_steps):
+            advance_decode_inputs(last, *burst.inputs, self.block_size)
+            last = burst.sample(burst.forward())
+            burst.tokens.append(last)
+
+
+@dataclass
+class DecodeBurst:
+    """Decode steps launched and not yet read: the requests, one `[num_requests]` token tensor per step (on the
+    device), the device inputs the steps advance (input ids, positions, slot mapping, context lengths, block
+    tables), the forward that runs one more step on them, the eager path's metadata (None for CUDA graphs), and
+    the sampler."""
+
+    requests: list[Request]
+    inputs: list
+    forward: Callable[[], torch.Tensor]
+    meta: object = None
+    sample: Callable | None = None
+    tokens: list[torch.Tensor] = field(default_factory=list)
 
 
 def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
