@@ -127,8 +127,9 @@ class FastModelRunner(ModelRunner):
         generators = [r.generator for r in requests]
 
         def next_tokens(hidden):
-            logits = self.model.compute_logits(hidden)
-            return logits.argmax(dim=-1) if tensors is None else sample(logits, *tensors, generators)
+            if tensors is None:     # greedy: the argmax of the logits in the model's dtype is the argmax of their
+                return self.model.lm_head(hidden).argmax(dim=-1)     # float32 copy (exact), without the copy
+            return sample(self.model.compute_logits(hidden), *tensors, generators)
 
         return next_tokens
 
