@@ -120,17 +120,33 @@ class Recorder:
     def __init__(self, engine):
         self.engine, self.calls, self.windows = engine, [], {}
         self.profiles: dict[str, list] = collections.defaultdict(list)
-        self._step, self._execute = engine.step, engine.model_runner.execute
-        engine.step, engine.model_runner.execute = self.step, self.execute
+        runner = engine.model_runner
+        self._step, self._execute, self._forward = engine.step, runner.execute, runner.forward
+        engine.step, runner.execute, runner.forward = self.step, self.execute, self.forward
         self._seen = None
+        self._launched = None      # host seconds from the single step's start until its forward was launched
         self._open = None          # (label, first index, last index, engine.num_steps at the start, profiler)
 
     def close(self):
-        self.engine.step, self.engine.model_runner.execute = self._step, self._execute
+        runner = self.engine.model_runner
+        self.engine.step, runner.execute, runner.forward = self._step, self._execute, self._forward
 
     def execute(self, items):
+        """A single step (prefill chunks, or decodes that run no burst): its kind, and CUDA events around it."""
         self._seen = ("decode" if all(n == 1 for _, n in items) else "prefill", len(items), sum(n for _, n in items))
-        return self._execute(items)
+        self._exec_t0 = time.perf_counter()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        result = self._execute(items)
+        end.record()
+        self._events = (start, end)
+        return result
+
+    def forward(self, step):
+        """The forward of a single step; the host's time until it returns (every kernel launched) is recorded."""
+        hidden = self._forward(step)
+        self._launched = time.perf_counter() - self._exec_t0
+        return hidden
 
     def step(self):
         engine, index = self.engine, len(self.calls)
@@ -139,13 +155,15 @@ class Recorder:
             prof = profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if label == "prefill" else []))
             prof.start()
             self._open = (label, index, index + count - 1, engine.num_steps, prof)
-        self._seen, before, rows = None, engine.num_steps, len(engine.scheduler.running_requests)
+        self._seen, self._launched, self._events = None, None, None
+        before, rows = engine.num_steps, len(engine.scheduler.running_requests)
         t0 = time.perf_counter()
         result = self._step()
         t1 = time.perf_counter()
         kind, rows, tokens = self._seen or ("burst", rows, rows)
         steps = engine.num_steps - before
-        self.calls.append({"kind": kind, "rows": rows, "tokens": tokens, "steps": steps, "t0": t0, "t1": t1})
+        self.calls.append({"kind": kind, "rows": rows, "tokens": tokens, "steps": steps, "t0": t0, "t1": t1,
+                           "launched_s": self._launched, "events": self._events})
         if self._open is not None and self._open[2] == index:
             label, first_index, _, first_step, prof = self._open
             torch.cuda.synchronize()
@@ -154,6 +172,18 @@ class Recorder:
             self.profiles[label].append((host, engine.num_steps - first_step, rows, prof))
             self._open = None
         return result
+
+
+def step_records(calls: list[dict]) -> list[list]:
+    """Every engine step as [kind, rows, tokens, decode steps, host ms, ms until the forward was launched (single
+    steps), GPU ms between events around the runner's execute (single steps)], in order. Synchronizes."""
+    torch.cuda.synchronize()
+    rows = []
+    for c in calls:
+        gpu = c["events"][0].elapsed_time(c["events"][1]) if c.get("events") else None
+        launched = None if c.get("launched_s") is None else c["launched_s"] * 1e3
+        rows.append([c["kind"], c["rows"], c["tokens"], c["steps"], (c["t1"] - c["t0"]) * 1e3, launched, gpu])
+    return rows
 
 
 def summarize_calls(calls: list[dict], wall: float) -> dict:
@@ -314,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         figures, _ = run_minirt(llm, prompts, n, device)
         report["run"] = figures
         report["calls"] = summarize_calls(rec.calls, figures["wall_time_s"])
+        report["steps"] = {"columns": ["kind", "rows", "tokens", "decode_steps", "host_ms", "launched_ms", "gpu_ms"],
+                           "rows": step_records(rec.calls)}
         rec.windows, rec.calls = windows_for(rec.calls), []
         fresh = make_prompts(n_req, lengths, cfg.vocab_size, 7)    # new prompts: the first run's are now cached
         figures2, _ = run_minirt(llm, fresh, n, device)
@@ -348,6 +380,11 @@ def print_report(r: dict) -> None:
           f"{run['output_tokens_per_s']:,.0f} tok/s = {run['output_tokens_per_s'] / c['output_tokens_per_s']:.1%}")
     for kind, v in r["calls"].items():
         print(f"  {kind}: {v}")
+    prefill = [row for row in r.get("steps", {}).get("rows", []) if row[0] == "prefill"]
+    if prefill:
+        med = lambda i: statistics.median(row[i] for row in prefill)          # noqa: E731
+        print(f"  prefill steps, median: host {med(4):.1f} ms, forward launched after {med(5):.1f} ms, "
+              f"GPU {med(6):.1f} ms; tokens {med(2):.0f}, rows {med(1):.0f}")
     for kind, prof in r.get("profiles", {}).items():
         for s in prof["sessions"]:
             print(f"profile {kind} rows={s['rows']}: host {s['host_s_per_step'] * 1e3:.2f} ms/step, kernels "
