@@ -84,15 +84,20 @@ def build_step(engine):
             return single_step()
         batch = engine.scheduler.schedule()
         engine.start_step(batch)
-        requests, token_steps = engine.model_runner.execute_decode_steps(batch.items, num_steps)
-        now = time.perf_counter()                    # the burst's tokens arrive together
-        for tokens in token_steps:
-            engine.postprocess(batch, requests, tokens, now)
-        engine.num_steps += num_steps - 1            # end_step counts the first
-        engine.end_step(batch)
+        take_tokens(engine, batch, *engine.model_runner.execute_decode_steps(batch.items, num_steps))
         return True
 
     return multi_step
+
+
+def take_tokens(engine, batch, requests, token_steps: list[list[int]]) -> None:
+    """The engine takes a burst's tokens step by step, exactly as from single steps (`Engine.postprocess`), and
+    counts its steps: `token_steps[i][j]` is step i's token for `requests[j]`."""
+    now = time.perf_counter()                    # the burst's tokens arrive together
+    for tokens in token_steps:
+        engine.postprocess(batch, requests, tokens, now)
+    engine.num_steps += len(token_steps) - 1     # end_step counts the first
+    engine.end_step(batch)
 
 
 def _overlapped_step(engine, max_steps: int, single_step):
@@ -121,11 +126,7 @@ def _overlapped_step(engine, max_steps: int, single_step):
             in_flight = None                         # the engine fails every request; nothing stays in flight
             raise
         in_flight = (batch, following) if following is not None else None
-        now = time.perf_counter()                    # the burst's tokens arrive together
-        for tokens in token_steps:
-            engine.postprocess(batch, requests, tokens, now)
-        engine.num_steps += len(token_steps) - 1     # end_step counts the first
-        engine.end_step(batch)
+        take_tokens(engine, batch, requests, token_steps)
         return True
 
     return overlapped_step
