@@ -132,27 +132,25 @@ class DecodeGraphs:
         hv[2, num_seqs:size] = self.scratch_slot                   # padding rows: one token that writes the scratch
         hv[3, num_seqs:size] = 1                                   # slot and attends to itself there
         ht[num_seqs:size, 0] = self.scratch_block
-        for row, table in enumerate(block_tables):
-            ht[row, :len(table)] = table                           # entries past a row's context are never read
-        end = self.host_vectors.numel() + size * self.max_blocks_per_seq
-        self.buffer[:end].copy_(self.host_buffer[:end], non_blocking=True)
-        if self.copies_done is not None:
-            self.copies_done.record()
-            self.copies_pending = True
+        self._send(block_tables, size, start=0)
         return self.replay(num_seqs)
 
     def update_tables(self, block_tables: list[list[int]]) -> None:
         """Copy the block tables of the first `len(block_tables)` rows to the device again, and nothing else: the
         other inputs stay as the steps on the device left them (a continued burst, `minirt.fast.multi_step`).
         The copy is queued after the work already on the stream, so steps in flight read the old tables."""
-        size = self.sizes[bisect.bisect_left(self.sizes, len(block_tables))]
         if self.copies_pending:
             self.copies_done.synchronize()
-        ht = self.host_tables.numpy()
+        self._send(block_tables, self.sizes[bisect.bisect_left(self.sizes, len(block_tables))],
+                   start=self.host_vectors.numel())
+
+    def _send(self, block_tables: list[list[int]], size: int, start: int) -> None:
+        """Write the rows' block tables into the pinned buffer, then copy its entries from `start` to the end of
+        the tables of `size` rows to the device, asynchronously; the event marks when the copy has read them."""
+        ht = self.host_tables.numpy()                              # a view: filling it fills the pinned buffer
         for row, table in enumerate(block_tables):
-            ht[row, :len(table)] = table
-        start = self.host_vectors.numel()
-        end = start + size * self.max_blocks_per_seq
+            ht[row, :len(table)] = table                           # entries past a row's context are never read
+        end = self.host_vectors.numel() + size * self.max_blocks_per_seq
         self.buffer[start:end].copy_(self.host_buffer[start:end], non_blocking=True)
         if self.copies_done is not None:
             self.copies_done.record()

@@ -31,9 +31,17 @@ def decode_steps_ahead(scheduler: Scheduler, max_steps: int) -> int:
     if (max_steps < 2 or scheduler.waiting_queue or scheduler.prefilling_requests or not running
             or len(running) > scheduler.config.max_num_batched_tokens):
         return 1
-    steps = min(max_steps, *(r.params.max_new_tokens - r.num_output_tokens for r in running))
+    return _allocate_steps(scheduler, 0, max_steps)
+
+
+def _allocate_steps(scheduler: Scheduler, in_flight: int, max_steps: int) -> int:
+    """The decode steps every running request may take after its `in_flight` ones not yet counted (at most
+    max_steps), with their blocks allocated; 1 (nothing allocated) if that is fewer than 2 or the free blocks do not
+    cover them."""
+    running = scheduler.running_requests
+    steps = min(max_steps, *(r.params.max_new_tokens - r.num_output_tokens - in_flight for r in running))
     B = scheduler.config.block_size
-    missing = [cdiv(r.num_computed_tokens + steps, B) - len(r.block_table) for r in running]
+    missing = [cdiv(r.num_computed_tokens + in_flight + steps, B) - len(r.block_table) for r in running]
     if steps < 2 or sum(m for m in missing if m > 0) > scheduler.pool.num_free_blocks:
         return 1
     for request, m in zip(running, missing):
@@ -53,18 +61,10 @@ def decode_steps_after(scheduler: Scheduler, batch, in_flight: int, max_steps: i
     neither happens while a request that finished may still write K/V into blocks it freed: once one has finished,
     the next call returns 1 and the engine waits for the steps in flight before it schedules again.
     """
-    running = scheduler.running_requests
     if (max_steps < 2 or scheduler.waiting_queue or scheduler.prefilling_requests
-            or len(running) != len(batch.items) or any(r.is_finished for r, _ in batch.items)):
+            or len(scheduler.running_requests) != len(batch.items) or any(r.is_finished for r, _ in batch.items)):
         return 1
-    steps = min(max_steps, *(r.params.max_new_tokens - r.num_output_tokens - in_flight for r in running))
-    B = scheduler.config.block_size
-    missing = [cdiv(r.num_computed_tokens + in_flight + steps, B) - len(r.block_table) for r in running]
-    if steps < 2 or sum(m for m in missing if m > 0) > scheduler.pool.num_free_blocks:
-        return 1
-    for request, m in zip(running, missing):
-        request.block_table += [scheduler.pool.allocate() for _ in range(m)]
-    return steps
+    return _allocate_steps(scheduler, in_flight, max_steps)
 
 
 def build_step(engine):

@@ -153,8 +153,7 @@ def _one_process(r: _Resolution) -> list[str]:
 
 def _bursts(r: _Resolution) -> list[str]:
     """What overlap scheduling lacks: bursts of decode steps to overlap (multi-step decode)."""
-    steps = r.on["num_scheduler_steps"]
-    if isinstance(steps, int) and not isinstance(steps, bool) and steps > 1:
+    if _more_than_one(r.on["num_scheduler_steps"]):
         return []
     return [_Off("num_scheduler_steps > 1", r.why_off["num_scheduler_steps"])]
 
