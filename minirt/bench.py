@@ -485,6 +485,8 @@ ON_OFF_SWITCHES = (
                     "projections and PDL)"),
     ("overlap_scheduling", "minirt launches the next decode burst before taking this one's tokens (auto: with "
                            "multi-step decode)"),
+    ("piecewise_graphs", "minirt replays steps with prefill chunks as CUDA graphs cut at each attention call (auto: "
+                         "with CUDA graphs)"),
 )
 
 

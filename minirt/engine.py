@@ -120,7 +120,8 @@ class Engine:
                                                          config.block_size, config.max_model_len, config.max_num_seqs)
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
         self.model_runner = build_model_runner(self.plan, self.model, config.num_kv_blocks, config.block_size,
-                                               config.max_num_seqs, config.max_model_len, config.tensor_parallel_size)
+                                               config.max_num_seqs, config.max_model_len, config.tensor_parallel_size,
+                                               config.max_num_batched_tokens)
         self.pool = BlockPool(config.num_kv_blocks)
         self.prefix_cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool, self.prefix_cache)

@@ -34,7 +34,8 @@ def test_capture_sizes_cover_every_batch(max_num_seqs):
         assert padded - n <= max(n, 15) if n >= 8 else padded < 2 * n
 
 
-def spy_on(graphs: DecodeGraphs) -> list[int]:
+def spy_on(graphs) -> list[int]:
+    """The batch sizes (token counts) of the steps that went through `graphs.run` (decode or piecewise graphs)."""
     sizes = []
     run = graphs.run
 

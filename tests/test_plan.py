@@ -14,12 +14,13 @@ from minirt.config import EngineConfig
 from minirt.fast import Hardware, Plan, resolve_plan
 
 ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
-          "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling")
+          "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling", "piecewise_graphs")
 #: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
 #: (cuda_graphs needs the Triton kernel or flash-attn's: `expected` below)
 NEEDS = {"split_kv": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
          "kv_write_in_rotary": ["rotary_kernel"], "combine_in_attention": ["triton", "split_kv"],
-         "prefetch_kv": ["pdl", "split_kv", "triton"], "l2_prefetch": ["gemv", "merge_projections"]}
+         "prefetch_kv": ["pdl", "split_kv", "triton"], "l2_prefetch": ["gemv", "merge_projections"],
+         "piecewise_graphs": ["cuda_graphs"]}
 NO_FLASH = ("flash-attn-4 or flash-attn installed (pip install flash-attn-4; got ...)",)
 MACHINES = {
     "cpu": Hardware("cpu", ("a CUDA device (got cpu)",), (), ("a CUDA device (got cpu)",), ("a CUDA device (got cpu)",)),
@@ -70,6 +71,9 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     if asked["overlap_scheduling"] is True and steps < 2:        # it needs bursts to overlap
         return "overlap_scheduling"
     on["overlap_scheduling"] = asked["overlap_scheduling"] if asked["overlap_scheduling"] is not None else steps > 1
+    if asked["piecewise_graphs"] is True and not on["cuda_graphs"]:
+        return "piecewise_graphs"
+    on["piecewise_graphs"] = on["cuda_graphs"] if asked["piecewise_graphs"] is None else asked["piecewise_graphs"]
     return on
 
 
@@ -102,7 +106,7 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
     assert plan == Plan(attention_backend="triton", split_kv=True, cuda_graphs=True, fused_ops=True,
                         merge_projections=True, gemv=True, num_scheduler_steps=8, norm_in_gemv=True,
                         rotary_kernel=True, pdl=True, kv_write_in_rotary=True, combine_in_attention=False,
-                        prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True)
+                        prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True, piecewise_graphs=True)
     with pytest.raises(Exception):
         plan.gemv = False                                       # frozen: what runs is what the plan says
 
@@ -120,6 +124,8 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
     ("l2_prefetch", True, r"l2_prefetch: the bulk prefetch into L2 needs a CUDA device \(got cpu\) and gemv"),
     ("overlap_scheduling", True, r"overlap_scheduling: launching the next burst before taking this one's tokens needs "
                                  r"num_scheduler_steps > 1 \(off: num_scheduler_steps=None is on only 8 with CUDA"),
+    ("piecewise_graphs", True, r"piecewise_graphs: piecewise CUDA graphs for steps with prefill chunks needs CUDA "
+                               r"graphs \(off: needs a CUDA device \(got cpu\)"),
     ("norm_in_gemv", True, r"norm_in_gemv: the GEMV's norm prologue needs gemv \(off: needs a CUDA device "
                            r"\(got cpu\)\) and merge_projections \(off: merge_projections=None is on only on CUDA\)"),
 ])

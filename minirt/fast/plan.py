@@ -78,6 +78,7 @@ class Plan:
     prefetch_kv: bool = False
     l2_prefetch: bool = False
     overlap_scheduling: bool = False
+    piecewise_graphs: bool = False
 
     @property
     def is_reference(self) -> bool:
@@ -197,6 +198,8 @@ RULES: tuple[Rule, ...] = (
          lambda r: bool(r.on["pdl"]), "with the GEMV kernel, merged projections and PDL"),
     Rule("overlap_scheduling", "launching the next burst before taking this one's tokens", _bursts, lambda r: True,
          "with multi-step decode"),
+    Rule("piecewise_graphs", "piecewise CUDA graphs for steps with prefill chunks", lambda r: r.need("cuda_graphs"),
+         lambda r: True, "with CUDA graphs"),
 )
 RULE_BY_NAME = {rule.name: rule for rule in RULES}
 

@@ -1,5 +1,6 @@
-"""The model runner of the fast path: the plan's attention kernel, CUDA graphs for decode steps, and multi-step
-decode's bursts (`FastModelRunner`), built once from a plan by `build_model_runner`."""
+"""The model runner of the fast path: the plan's attention kernel, CUDA graphs for decode steps, piecewise graphs for
+steps with prefill chunks, and multi-step decode's bursts (`FastModelRunner`), built once from a plan by
+`build_model_runner`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from minirt.config import cdiv
 from minirt.fast.attention import KernelPagedAttention, attention_kernels
 from minirt.fast.cuda_graphs import DecodeGraphs
 from minirt.fast.layers import speed_up_model
+from minirt.fast.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
 from minirt.kv.paged_cache import allocate_kv_cache
 from minirt.model.decoder import DecoderModel
 from minirt.model_runner import ModelRunner, StepInputs, pad_block_tables
@@ -23,19 +25,34 @@ from minirt.sampling import sample
 class FastModelRunner(ModelRunner):
     """`ModelRunner` whose steps attend with `kernel` and `store` (see `KernelPagedAttention`) and, where
     `decode_graphs` is given (a `DecodeGraphs`), replay a CUDA graph for steps in which every sequence has one
-    new token; `execute_decode_steps` runs several decode steps back to back."""
+    new token, and where `piecewise_graphs` is given (a `PiecewiseGraphs`), replay the pieces of the other steps up
+    to its largest size, attention launched between them; `execute_decode_steps` runs several decode steps back to
+    back."""
 
     def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int, kernel, store,
-                 decode_graphs: DecodeGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, piecewise_graphs: PiecewiseGraphs | None = None):
         super().__init__(model, kv_cache, block_size)
-        self.kernel, self.store, self.decode_graphs = kernel, store, decode_graphs
+        self.kernel, self.store = kernel, store
+        self.decode_graphs, self.piecewise_graphs = decode_graphs, piecewise_graphs
 
     def attention(self, meta) -> KernelPagedAttention:
         return KernelPagedAttention(self.kv_cache, meta, self.kernel, self.store)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
         hidden = self.forward_decode_graph(step)
+        if hidden is None:
+            hidden = self.forward_piecewise(step)
         return super().forward(step) if hidden is None else hidden
+
+    def forward_piecewise(self, step: StepInputs) -> torch.Tensor | None:
+        """Hidden states `[num_sampled, hidden]` of the sampled rows through the piecewise graphs (a step with prefill
+        chunks, `minirt.fast.piecewise_graphs`); None if there are none or the step has more tokens than their
+        largest size."""
+        graphs = self.piecewise_graphs
+        if graphs is None or len(step.input_ids) > graphs.sizes[-1]:
+            return None
+        input_ids, positions, meta = self.to_device(step)
+        return graphs.run(input_ids[0], positions[0], self.attention(meta))[step.sample_rows]
 
     def forward_decode_graph(self, step: StepInputs) -> torch.Tensor | None:
         """Hidden states `[num_sampled, hidden]` of the sampled rows, through a CUDA graph, for a step whose
@@ -186,14 +203,16 @@ def fast_parts(plan, model: DecoderModel, num_kv_blocks: int, block_size: int, m
 
 
 def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size: int, max_num_seqs: int,
-                       max_model_len: int, tensor_parallel_size: int = 1) -> ModelRunner:
+                       max_model_len: int, tensor_parallel_size: int = 1,
+                       max_num_batched_tokens: int = MAX_TOKENS) -> ModelRunner:
     """The engine's model runner for a plan (`minirt.fast.plan.Plan`), with its KV cache of `num_kv_blocks` blocks.
 
     With `tensor_parallel_size > 1`, chapter 09's runner over that many processes
     (`minirt.parallel.build_tensor_parallel_runner`; the plan's rules keep off what it cannot run).
     For the reference plan, chapter 05's `ModelRunner` over the model as loaded. Otherwise the plan's fast modules
     are swapped into the model (`speed_up_model`), and a `FastModelRunner` gets the plan's attention kernels and,
-    with CUDA graphs, one more KV block than the pool hands out: the scratch block padding rows write to.
+    with CUDA graphs, one more KV block than the pool hands out: the scratch block padding rows write to; with
+    piecewise graphs, pieces for steps of up to `min(max_num_batched_tokens, MAX_TOKENS)` tokens.
     """
     if tensor_parallel_size > 1:
         from minirt.parallel import build_tensor_parallel_runner
@@ -208,4 +227,8 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
     if plan.cuda_graphs:
         graphs = DecodeGraphs(model, kv_cache, kernel, store, max_num_seqs, cdiv(max_model_len, block_size),
                               scratch_block=num_kv_blocks)
-    return FastModelRunner(model, kv_cache, block_size, kernel, store, graphs)
+    pieces = None
+    if plan.piecewise_graphs:
+        pieces = PiecewiseGraphs(model, kv_cache, kernel, store, min(max_num_batched_tokens, MAX_TOKENS),
+                                 scratch_block=num_kv_blocks)
+    return FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces)

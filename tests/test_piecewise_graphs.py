@@ -1,0 +1,101 @@
+"""Piecewise CUDA graphs for steps with prefill chunks (minirt.fast.piecewise_graphs): padded static-buffer forwards,
+attention between the pieces, give transformers' tokens.
+
+On the CPU the padding logic runs with `capture=False` (the same static buffers, padding tokens and scratch slot,
+each attention call made where it stands) with the torch reference kernel, both with the backend writing K/V and with
+the rotation writing it inside the pieces; on CUDA the captured pieces run for real.
+Oracle: transformers greedy (conftest.hf_greedy).
+"""
+
+import random
+
+import pytest
+import torch
+
+import minirt
+from conftest import hf_greedy, random_prompts
+from minirt.attention import paged_attention_reference, store_kv
+from minirt.fast import Plan
+from minirt.fast.layers import speed_up_model
+from minirt.fast.ops import ModelKernels, norm_rotate_and_store
+from minirt.fast.piecewise_graphs import PiecewiseGraphs, capture_sizes
+from minirt.fast.runner import FastModelRunner
+from minirt.kv.paged_cache import allocate_kv_cache
+from test_cuda_graphs import spy_on          # the token counts of the steps that went through `run`
+
+
+def greedy(n):
+    return minirt.SamplingParams(max_new_tokens=n, ignore_eos=True)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 10, 16, 40, 700, 1024, 5000, 8192])
+def test_capture_sizes_cover_every_step(max_tokens):
+    sizes = capture_sizes(max_tokens)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens
+    for n in range(1, max_tokens + 1):       # padding below 1024 tokens: under 2x (or up to 16); above: under 1024
+        padded = min(s for s in sizes if s >= n)
+        assert padded - n < (max(n, 16) if n <= 1024 else 1024)
+
+
+def piecewise_engine(path, kv_write_in_rotary: bool, **kw) -> "minirt.LLM":
+    """An LLM whose runner sends every step through `PiecewiseGraphs(capture=False)` (no decode graphs), with the torch
+    reference kernel; with kv_write_in_rotary, the model's rotation writes K/V (`norm_rotate_and_store`), inside what
+    would be the pieces, and the backend only attends."""
+    llm = minirt.LLM(model=path, device="cpu", dtype=torch.float32, block_size=4, **kw)
+    engine = llm.engine
+    if kv_write_in_rotary:
+        speed_up_model(engine.model, Plan(), ModelKernels(rotate_and_store=norm_rotate_and_store))
+    n_blocks = engine.pool.num_blocks
+    kv_cache = allocate_kv_cache(engine.model.config, n_blocks + 1, 4, torch.float32, torch.device("cpu"))
+    backend_store = (lambda *a: pytest.fail("the backend wrote K/V")) if kv_write_in_rotary else store_kv
+    pieces = PiecewiseGraphs(engine.model, kv_cache, paged_attention_reference, backend_store,
+                             engine.config.max_num_batched_tokens, scratch_block=n_blocks, capture=False)
+    engine.model_runner = FastModelRunner(engine.model, kv_cache, 4, paged_attention_reference, backend_store,
+                                          None, pieces)
+    return llm
+
+
+@pytest.mark.parametrize("kv_write_in_rotary", [False, True], ids=["backend-writes-kv", "rotation-writes-kv"])
+def test_padded_piecewise_buffers_on_cpu(tiny_model_path, kv_write_in_rotary):
+    """Chunked prefill with decodes mixed in, then decodes, through the static buffers (steps of 40 tokens, then
+    smaller ones padded to 16 and 32, whose padding would overwrite earlier steps' K/V if it kept their slots), and
+    a second wave of prompts sharing a cached prefix: transformers' tokens, every block free at the end."""
+    llm = piecewise_engine(tiny_model_path, kv_write_in_rotary, max_num_seqs=6, max_num_batched_tokens=40,
+                           max_prefill_chunk=24)
+    engine = llm.engine
+    seen = spy_on(engine.model_runner.piecewise_graphs)
+    rng = random.Random(3)
+    prompts = random_prompts(21, [rng.randint(5, 30) for _ in range(7)])
+    prompts += [prompts[0][:20] + p for p in random_prompts(22, [3, 9])]      # a cached prefix of 5 blocks
+    ns = [rng.randint(2, 12) for _ in prompts]
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}"
+    sizes = {engine.model_runner.piecewise_graphs.size_for(t) for t in seen}
+    assert {16, 32, 40} <= sizes and any(t < 16 for t in seen), f"steps seen: {sorted(set(seen))}"
+    assert engine.stats()["num_free_blocks"] == engine.pool.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+@pytest.mark.parametrize("kv_write_in_rotary", [False, None], ids=["backend-writes-kv", "default"])
+def test_piecewise_graphs_equal_transformers(tiny_model_path, kv_write_in_rotary):
+    """The captured pieces (one more than the model has layers, per size), float32: chunked prefill, decodes mixed
+    in, a cached prefix; the tokens of transformers, and the plan without the switch builds no pieces."""
+    kw = dict(device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=8, num_kv_blocks=1024,
+              max_num_batched_tokens=96, max_prefill_chunk=40, kv_write_in_rotary=kv_write_in_rotary)
+    llm = minirt.LLM(model=tiny_model_path, **kw)
+    pieces = llm.engine.model_runner.piecewise_graphs
+    assert llm.engine.plan.piecewise_graphs and sorted(pieces.pieces) == capture_sizes(96)
+    layers = llm.engine.model.config.num_hidden_layers
+    assert all(len(p.graphs) == layers + 1 and len(p.calls) == layers for p in pieces.pieces.values())
+    seen = spy_on(pieces)
+    rng = random.Random(8)
+    prompts = random_prompts(23, [rng.randint(5, 70) for _ in range(12)])
+    prompts += [prompts[1][:36] + p for p in random_prompts(24, [4, 17])]
+    ns = [rng.randint(1, 20) for _ in prompts]
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}, n={n}"
+    assert len({pieces.size_for(t) for t in seen}) >= 3, f"steps seen: {sorted(set(seen))}"
+    off = minirt.LLM(model=tiny_model_path, **kw, piecewise_graphs=False)
+    assert not off.engine.plan.piecewise_graphs and off.engine.model_runner.piecewise_graphs is None
