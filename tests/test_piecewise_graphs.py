@@ -99,3 +99,20 @@ def test_piecewise_graphs_equal_transformers(tiny_model_path, kv_write_in_rotary
     assert len({pieces.size_for(t) for t in seen}) >= 3, f"steps seen: {sorted(set(seen))}"
     off = minirt.LLM(model=tiny_model_path, **kw, piecewise_graphs=False)
     assert not off.engine.plan.piecewise_graphs and off.engine.model_runner.piecewise_graphs is None
+
+
+def test_the_warm_up_attends_like_a_step_with_prefill_chunks(tiny_model_path):
+    """The warm-up before each capture attends with `padding_meta`: one sequence of `size` new tokens on the scratch
+    block, so its launch is the kind steps with chunks make (one program per sequence, never split-KV). A batch of
+    one-token rows instead would be a decode launch, with split-KV and, with the combine in the attention kernel,
+    more sequences than its counters were sized for (`max_num_seqs`): on the H200 that refused to build the engine."""
+    from minirt.kernels.paged_attention_triton import choose_num_splits
+
+    llm = piecewise_engine(tiny_model_path, False, max_num_seqs=1, max_num_batched_tokens=40)
+    pieces = llm.engine.model_runner.piecewise_graphs
+    for size in pieces.sizes:
+        meta = pieces.padding_meta(size)
+        assert meta.max_query_len == meta.max_context_len == size and meta.query_start_loc.tolist() == [0, size]
+        assert meta.context_lens.tolist() == [size] and meta.block_tables.shape == (1, -(-size // 4))
+        assert (meta.block_tables == pieces.scratch_slot // 4).all() and (meta.slot_mapping == pieces.scratch_slot).all()
+        assert choose_num_splits(meta, 8, torch.device("cuda")) == 1           # whatever the GPU: chunks never split

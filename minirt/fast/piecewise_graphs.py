@@ -122,14 +122,15 @@ class PiecewiseGraphs:
         return self.attn_out[:q.numel()].view(q.shape)
 
     def padding_meta(self, size: int) -> PagedAttentionMetadata:
-        """Metadata of `size` one-token sequences on the scratch slot: what the warm-up forward attends with."""
-        dev = self.input_ids.device
-        ones = torch.ones(size, dtype=torch.long, device=dev)
+        """Metadata of one sequence of `size` new tokens, all on the scratch block: what the warm-up forward attends
+        with (a launch of the kind steps with prefill chunks make: one program per sequence, no split-KV)."""
+        dev, block_size = self.input_ids.device, self.kv_cache.shape[3]
         return PagedAttentionMetadata(
-            slot_mapping=self.slots[:size], query_start_loc=torch.arange(size + 1, device=dev), context_lens=ones,
-            block_tables=torch.full((size, 1), self.scratch_slot // self.kv_cache.shape[3], dtype=torch.long,
+            slot_mapping=self.slots[:size], query_start_loc=torch.tensor([0, size], device=dev),
+            context_lens=torch.tensor([size], device=dev),
+            block_tables=torch.full((1, -(-size // block_size)), self.scratch_slot // block_size, dtype=torch.long,
                                     device=dev),
-            max_query_len=1, max_context_len=1)
+            max_query_len=size, max_context_len=size)
 
     def _forward(self, size: int, attn: "_PieceAttention") -> torch.Tensor:
         return self.model(self.input_ids[:size][None], self.positions[:size][None], attn=attn)[0]
