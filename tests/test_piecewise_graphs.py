@@ -37,6 +37,33 @@ def test_capture_sizes_cover_every_step(max_tokens):
         assert padded - n < (max(n, 16) if n <= 1024 else 1024)
 
 
+def watch_the_static_forward(pieces: PiecewiseGraphs) -> tuple[list[int], set[int]]:
+    """Record the size each static-buffer forward runs at, and every KV-cache slot a step writes other than its own
+    slots (`attn.meta.slot_mapping`) and the scratch block's."""
+    forwards, stray = [], set()
+    forward, run = pieces._forward, pieces.run
+    kv = pieces.kv_cache                                     # [layers, 2, blocks, block_size, Hkv, D]
+    block_size = kv.shape[3]
+    scratch = set(range(pieces.scratch_slot, pieces.scratch_slot + block_size))
+
+    def by_slot(t):
+        return t.permute(2, 3, 0, 1, 4, 5).reshape(kv.shape[2] * block_size, -1)
+
+    def recording_forward(size, attn):
+        forwards.append(size)
+        return forward(size, attn)
+
+    def checked_run(input_ids, positions, attn):
+        before = kv.clone()
+        out = run(input_ids, positions, attn)
+        written = torch.nonzero((by_slot(kv) != by_slot(before)).any(dim=1)).flatten().tolist()
+        stray.update(set(written) - set(attn.meta.slot_mapping.tolist()) - scratch)
+        return out
+
+    pieces._forward, pieces.run = recording_forward, checked_run
+    return forwards, stray
+
+
 def piecewise_engine(path, kv_write_in_rotary: bool, **kw) -> "minirt.LLM":
     """An LLM whose runner sends every step through `PiecewiseGraphs(capture=False)` (no decode graphs), with the torch
     reference kernel; with kv_write_in_rotary, the model's rotation writes K/V (`norm_rotate_and_store`), inside what
@@ -63,7 +90,9 @@ def test_padded_piecewise_buffers_on_cpu(tiny_model_path, kv_write_in_rotary):
     llm = piecewise_engine(tiny_model_path, kv_write_in_rotary, max_num_seqs=6, max_num_batched_tokens=40,
                            max_prefill_chunk=24)
     engine = llm.engine
-    seen = spy_on(engine.model_runner.piecewise_graphs)
+    pieces = engine.model_runner.piecewise_graphs
+    forwards, stray = watch_the_static_forward(pieces)
+    seen = spy_on(pieces)
     rng = random.Random(3)
     prompts = random_prompts(21, [rng.randint(5, 30) for _ in range(7)])
     prompts += [prompts[0][:20] + p for p in random_prompts(22, [3, 9])]      # a cached prefix of 5 blocks
@@ -71,8 +100,9 @@ def test_padded_piecewise_buffers_on_cpu(tiny_model_path, kv_write_in_rotary):
     outs = llm.generate(prompts, [greedy(n) for n in ns])
     for p, o, n in zip(prompts, outs, ns):
         assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}"
-    sizes = {engine.model_runner.piecewise_graphs.size_for(t) for t in seen}
-    assert {16, 32, 40} <= sizes and any(t < 16 for t in seen), f"steps seen: {sorted(set(seen))}"
+    assert forwards == [pieces.size_for(t) for t in seen]               # every step ran padded to its size
+    assert {16, 32, 40} <= set(forwards) and any(t < 16 for t in seen), f"steps seen: {sorted(set(seen))}"
+    assert not stray, f"K/V written outside the steps' slots and the scratch block: slots {sorted(stray)[:8]}"
     assert engine.stats()["num_free_blocks"] == engine.pool.num_blocks
 
 
@@ -88,6 +118,7 @@ def test_piecewise_graphs_equal_transformers(tiny_model_path, kv_write_in_rotary
     assert llm.engine.plan.piecewise_graphs and sorted(pieces.pieces) == capture_sizes(96)
     layers = llm.engine.model.config.num_hidden_layers
     assert all(len(p.graphs) == layers + 1 and len(p.calls) == layers for p in pieces.pieces.values())
+    forwards, stray = watch_the_static_forward(pieces)
     seen = spy_on(pieces)
     rng = random.Random(8)
     prompts = random_prompts(23, [rng.randint(5, 70) for _ in range(12)])
@@ -97,8 +128,16 @@ def test_piecewise_graphs_equal_transformers(tiny_model_path, kv_write_in_rotary
     for p, o, n in zip(prompts, outs, ns):
         assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}, n={n}"
     assert len({pieces.size_for(t) for t in seen}) >= 3, f"steps seen: {sorted(set(seen))}"
+    assert not forwards, "a step ran the static-buffer forward eagerly instead of replaying the pieces"
+    assert not stray, f"K/V written outside the steps' slots and the scratch block: slots {sorted(stray)[:8]}"
     off = minirt.LLM(model=tiny_model_path, **kw, piecewise_graphs=False)
     assert not off.engine.plan.piecewise_graphs and off.engine.model_runner.piecewise_graphs is None
+
+
+def test_a_step_above_the_largest_size_is_refused_by_name(tiny_model_path):
+    pieces = piecewise_engine(tiny_model_path, False, max_num_batched_tokens=40).engine.model_runner.piecewise_graphs
+    with pytest.raises(ValueError, match=r"^num_tokens: 41 is not in 1 \.\. 40"):
+        pieces.size_for(41)
 
 
 def test_the_warm_up_attends_like_a_step_with_prefill_chunks(tiny_model_path):
@@ -116,3 +155,21 @@ def test_the_warm_up_attends_like_a_step_with_prefill_chunks(tiny_model_path):
         assert meta.context_lens.tolist() == [size] and meta.block_tables.shape == (1, -(-size // 4))
         assert (meta.block_tables == pieces.scratch_slot // 4).all() and (meta.slot_mapping == pieces.scratch_slot).all()
         assert choose_num_splits(meta, 8, torch.device("cuda")) == 1           # whatever the GPU: chunks never split
+
+
+@pytest.mark.parametrize("kv_write_in_rotary", [False, True], ids=["backend-writes-kv", "rotation-writes-kv"])
+def test_attention_calls_keep_only_the_static_buffers(tiny_model_path, kv_write_in_rotary):
+    """What a capture keeps of each attention call (its `_Call`) points into the static buffers every layer and size
+    shares, never into an activation of its own: otherwise each captured piece would hold one q (or q/k/v) per layer
+    and size in the graphs' pool for the engine's lifetime."""
+    from minirt.fast.piecewise_graphs import _PieceAttention
+
+    pieces = piecewise_engine(tiny_model_path, kv_write_in_rotary, max_num_batched_tokens=40).engine.model_runner\
+        .piecewise_graphs
+    static = {pieces.buffers[name].untyped_storage().data_ptr() for name in ("q", "k", "v", "out")}
+    for size in pieces.sizes:
+        calls = []
+        pieces._forward(size, _PieceAttention(pieces, size, lambda call: calls.append(call) or call.out))
+        assert len(calls) == pieces.model.config.num_hidden_layers
+        assert all(len(c.inputs) == (1 if kv_write_in_rotary else 3) for c in calls)
+        assert {t.untyped_storage().data_ptr() for c in calls for t in (*c.inputs, c.out)} <= static

@@ -16,7 +16,8 @@ A graph fixes the address and the shape of every tensor it touches, so:
 Only the Triton and flash-attn kernels can be captured: the torch reference keeps the real query rows with a
 boolean mask (`out[q_valid]`), whose result size depends on the data, and a captured graph cannot allocate
 data-dependent shapes. Steps with prefill chunks, whose attention follows their sequences, replay piecewise graphs
-instead, with attention launched between the pieces (`minirt.fast.piecewise_graphs`).
+instead (up to 8,192 tokens, with `piecewise_graphs` on), attention launched between the pieces
+(`minirt.fast.piecewise_graphs`).
 """
 
 from __future__ import annotations

@@ -10,18 +10,22 @@ depends only on the token count.
 So the forward is captured in *pieces*, cut at each attention call (vLLM's piecewise CUDA graphs, `cudagraph_mode
 PIECEWISE` in `vllm/compilation/`; its `splitting_ops` are the attention ops): piece 0 runs from the embedding to
 layer 0's attention, piece i from layer i-1's attention output to layer i's attention, the last piece to the final
-norm. A step replays piece 0, launches layer 0's attention on the step's real metadata, replays piece 1, ... : 29
-replays and 28 attention launches for 28 layers, instead of ~360 launches.
+norm. A step replays piece 0, launches layer 0's attention on the step's real metadata, replays piece 1, ... : for 28
+layers, 29 replays and 28 attention calls (each an attention launch or two and a copy of its output), instead of
+~360 launches.
 
 A graph fixes the address and shape of every tensor it touches, so:
 
 * a step of `T` tokens is padded to the next *capture size* (16, 32, ..., 512, then every 1024 up to
   `max_tokens`); padding tokens write their K/V into the scratch slot no request owns (as the decode graphs'
   padding rows do, `minirt.fast.cuda_graphs`) and never reach attention, which runs on the `T` real tokens;
-* the token ids, positions and slot mapping live in static buffers; attention writes its output into one static
-  buffer, which the next piece reads.
+* the token ids, positions and slot mapping live in static buffers; each piece ends by copying attention's inputs
+  (q, or q/k/v when the backend writes K/V) into static buffers, and attention's output goes to one more, which the
+  next piece reads. Every layer and every size shares these buffers, so the pieces keep no activation of theirs
+  alive between replays.
 
-Pieces that share a memory pool must replay in the order they were captured; a step replays them all, in order.
+All pieces of all sizes share one memory pool. That is safe because a step replays all the pieces of one size in
+the order they were captured, and no tensor of the pool outlives a step but each size's last output.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch
 from minirt.attention import PagedAttentionMetadata
 from minirt.fast.attention import KernelPagedAttention
 
-MAX_TOKENS = 8192          # larger steps run eagerly: their pieces' activations would stay reserved for graphs
+MAX_TOKENS = 8192          # larger steps run eagerly: the pool and the static buffers grow with the largest size
 
 
 def capture_sizes(max_tokens: int) -> list[int]:
@@ -48,8 +52,9 @@ def capture_sizes(max_tokens: int) -> list[int]:
 
 @dataclass
 class _Call:
-    """One attention call of the forward: the layer, its inputs (q, or q/k/v when the backend writes K/V), and the
-    static buffer its output goes to. `run(attn, num_tokens)` makes the call on the first `num_tokens` rows."""
+    """One attention call of the forward: the layer, its inputs (views of the static buffers holding q, or q/k/v when
+    the backend writes K/V), and the static buffer its output goes to. `run(attn, num_tokens)` makes the call on the
+    first `num_tokens` rows."""
 
     layer_idx: int
     inputs: tuple[torch.Tensor, ...]
@@ -72,10 +77,10 @@ class _PieceAttention(KernelPagedAttention):
         self.graphs, self.on_call = graphs, on_call
 
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        return self.on_call(_Call(layer_idx, (q, k, v), self.graphs.out_buffer(q)))
+        return self.on_call(_Call(layer_idx, self.graphs.stage(q=q, k=k, v=v), self.graphs.out_buffer(q)))
 
     def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        return self.on_call(_Call(layer_idx, (q,), self.graphs.out_buffer(q)))
+        return self.on_call(_Call(layer_idx, self.graphs.stage(q=q), self.graphs.out_buffer(q)))
 
 
 @dataclass
@@ -111,19 +116,32 @@ class PiecewiseGraphs:
         self.slots = torch.full((n,), self.scratch_slot, dtype=torch.long, device=dev)
         cfg = model.config
         heads = cfg.num_attention_heads
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        self.attn_out = torch.zeros(n * heads * head_dim, dtype=model.dtype, device=dev)
+        rows = {"q": heads * head_dim, "k": kv_heads * head_dim, "v": kv_heads * head_dim, "out": heads * head_dim}
+        self.buffers = {name: torch.zeros(n * width, dtype=model.dtype, device=dev) for name, width in rows.items()}
         self.pieces: dict[int, _Pieces] = {}
+        self.captured = False
         if capture:
             self.capture()
 
+    def stage(self, **inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Copy attention's inputs (q, k, v, each `[1, size, heads, D]`) into their static buffers; returns the
+        buffers' views, in the order given. Inside a capture the copies end the piece."""
+        views = []
+        for name, t in inputs.items():
+            view = self.buffers[name][:t.numel()].view(t.shape)
+            views.append(view.copy_(t))
+        return tuple(views)
+
     def out_buffer(self, q: torch.Tensor) -> torch.Tensor:
         """The static buffer attention writes into, shaped like q `[1, size, H, D]`."""
-        return self.attn_out[:q.numel()].view(q.shape)
+        return self.buffers["out"][:q.numel()].view(q.shape)
 
     def padding_meta(self, size: int) -> PagedAttentionMetadata:
-        """Metadata of one sequence of `size` new tokens, all on the scratch block: what the warm-up forward attends
-        with (a launch of the kind steps with prefill chunks make: one program per sequence, no split-KV)."""
+        """Metadata of one sequence of `size` new tokens on the scratch block: what the warm-up forward attends with (a
+        launch of the kind steps with prefill chunks make: one program per sequence, no split-KV). Its slot mapping
+        is the static slot buffer, which `capture` fills with the scratch slot before the warm-ups."""
         dev, block_size = self.input_ids.device, self.kv_cache.shape[3]
         return PagedAttentionMetadata(
             slot_mapping=self.slots[:size], query_start_loc=torch.tensor([0, size], device=dev),
@@ -138,12 +156,16 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, all pieces in one memory pool, on a side stream (a capture cannot run on
-        the default stream), with the garbage collector off (see `minirt.fast.cuda_graphs.DecodeGraphs.capture`)."""
+        the default stream), with the garbage collector off (see `minirt.fast.cuda_graphs.DecodeGraphs.capture`).
+        A capture that fails is ended before the error propagates, as `torch.cuda.graph` does: a stream left
+        capturing would fail every later allocation of the process."""
         gc.collect()
         enabled = gc.isenabled()
         gc.disable()
         pool = torch.cuda.graph_pool_handle()                 # one pool for every piece of every size
         stream = torch.cuda.Stream()
+        open_graph = None
+        self.slots.fill_(self.scratch_slot)                   # the warm-ups write K/V through the static slots
         try:
             for size in reversed(self.sizes):
                 padding = KernelPagedAttention(self.kv_cache, self.padding_meta(size), self.kernel, self.store)
@@ -152,11 +174,18 @@ class PiecewiseGraphs:
                 pieces = _Pieces()
 
                 def begin() -> None:
-                    pieces.graphs.append(torch.cuda.CUDAGraph())
-                    pieces.graphs[-1].capture_begin(pool=pool)
+                    nonlocal open_graph
+                    open_graph = torch.cuda.CUDAGraph()
+                    pieces.graphs.append(open_graph)
+                    open_graph.capture_begin(pool=pool)
+
+                def end() -> None:
+                    nonlocal open_graph
+                    graph, open_graph = open_graph, None
+                    graph.capture_end()
 
                 def cut(call: _Call) -> torch.Tensor:
-                    pieces.graphs[-1].capture_end()
+                    end()
                     pieces.calls.append(call)
                     begin()
                     return call.out
@@ -166,16 +195,28 @@ class PiecewiseGraphs:
                 with torch.cuda.stream(stream):
                     begin()
                     pieces.output = self._forward(size, attn)
-                    pieces.graphs[-1].capture_end()
+                    end()
                 torch.cuda.current_stream().wait_stream(stream)
                 self.pieces[size] = pieces
+        except BaseException:
+            if open_graph is not None:
+                with torch.cuda.stream(stream):
+                    try:
+                        open_graph.capture_end()
+                    except RuntimeError:                      # an invalidated capture: ending it is all we need
+                        pass
+            raise
         finally:
             if enabled:
                 gc.enable()
         torch.cuda.synchronize()
+        self.captured = True
 
     def size_for(self, num_tokens: int) -> int:
-        """The capture size a step of num_tokens tokens is padded to."""
+        """The capture size a step of num_tokens tokens is padded to. Raises ValueError naming num_tokens above the
+        largest size (the runner sends such steps through the eager forward instead)."""
+        if not 1 <= num_tokens <= self.sizes[-1]:
+            raise ValueError(f"num_tokens: {num_tokens} is not in 1 .. {self.sizes[-1]} (the largest capture size)")
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: KernelPagedAttention) -> torch.Tensor:
@@ -185,9 +226,9 @@ class PiecewiseGraphs:
         self.positions[:num_tokens].copy_(positions)
         self.slots[:num_tokens].copy_(attn.meta.slot_mapping)
         self.slots[num_tokens:size].fill_(self.scratch_slot)    # padding: K/V into the scratch slot
-        pieces = self.pieces.get(size)
-        if pieces is None:                                       # capture=False
+        if not self.captured:                                    # capture=False: the same forward, eagerly
             return self._forward(size, _PieceAttention(self, size, lambda call: call.run(attn, num_tokens)))[:num_tokens]
+        pieces = self.pieces[size]
         for graph, call in zip(pieces.graphs, pieces.calls):
             graph.replay()
             call.run(attn, num_tokens)
