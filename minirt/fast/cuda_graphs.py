@@ -23,6 +23,7 @@ instead (up to 8,192 tokens, with `piecewise_graphs` on), attention launched bet
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 
 import torch
@@ -102,10 +103,7 @@ class DecodeGraphs:
         frees an earlier engine's graph mid-capture would call its `reset`, which a capturing stream refuses,
         and the capture would fail with `cudaErrorStreamCaptureInvalidated`."""
         pool = None
-        gc.collect()
-        enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with garbage_collector_off():
             for size in reversed(self.sizes):
                 self._forward(size)                                # warm-up: Triton compiles, cuBLAS picks kernels
                 torch.cuda.synchronize()
@@ -114,9 +112,6 @@ class DecodeGraphs:
                     self.outputs[size] = self._forward(size)
                 pool = graph.pool()
                 self.graphs[size] = graph
-        finally:
-            if enabled:
-                gc.enable()
         torch.cuda.synchronize()
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
@@ -172,3 +167,17 @@ class DecodeGraphs:
         """The first `num_seqs` rows of the static inputs, as views: `(input_ids, positions, slot_mapping,
         context_lens)` `[num_seqs]` each and `block_tables` `[num_seqs, max_blocks_per_seq]`."""
         return (*self.vectors[:, :num_seqs], self.tables[:num_seqs])
+
+
+@contextlib.contextmanager
+def garbage_collector_off():
+    """One collection, then the garbage collector off until the block ends (as it was before, after): what graph
+    captures run under (`DecodeGraphs.capture`, `minirt.fast.piecewise_graphs.PiecewiseGraphs.capture`)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

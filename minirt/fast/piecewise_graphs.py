@@ -31,7 +31,7 @@ the order they were captured, and no tensor of the pool outlives a step but each
 from __future__ import annotations
 
 import bisect
-import gc
+import contextlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -39,6 +39,7 @@ import torch
 
 from minirt.attention import PagedAttentionMetadata
 from minirt.fast.attention import KernelPagedAttention
+from minirt.fast.cuda_graphs import garbage_collector_off
 
 MAX_TOKENS = 8192          # larger steps run eagerly: the pool and the static buffers grow with the largest size
 
@@ -156,61 +157,47 @@ class PiecewiseGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         """Capture every size, largest first, all pieces in one memory pool, on a side stream (a capture cannot run on
-        the default stream), with the garbage collector off (see `minirt.fast.cuda_graphs.DecodeGraphs.capture`).
-        A capture that fails is ended before the error propagates, as `torch.cuda.graph` does: a stream left
-        capturing would fail every later allocation of the process."""
-        gc.collect()
-        enabled = gc.isenabled()
-        gc.disable()
+        the default stream), with the garbage collector off (`garbage_collector_off`; why: `DecodeGraphs.capture`)."""
         pool = torch.cuda.graph_pool_handle()                 # one pool for every piece of every size
         stream = torch.cuda.Stream()
-        open_graph = None
         self.slots.fill_(self.scratch_slot)                   # the warm-ups write K/V through the static slots
-        try:
+        with garbage_collector_off():
             for size in reversed(self.sizes):
                 padding = KernelPagedAttention(self.kv_cache, self.padding_meta(size), self.kernel, self.store)
                 self._forward(size, _PieceAttention(self, size, lambda call: call.run(padding, size)))   # warm-up:
                 torch.cuda.synchronize()                      # Triton compiles, cuBLAS picks its kernels
-                pieces = _Pieces()
-
-                def begin() -> None:
-                    nonlocal open_graph
-                    open_graph = torch.cuda.CUDAGraph()
-                    pieces.graphs.append(open_graph)
-                    open_graph.capture_begin(pool=pool)
-
-                def end() -> None:
-                    nonlocal open_graph
-                    graph, open_graph = open_graph, None
-                    graph.capture_end()
-
-                def cut(call: _Call) -> torch.Tensor:
-                    end()
-                    pieces.calls.append(call)
-                    begin()
-                    return call.out
-
-                attn = _PieceAttention(self, size, cut)
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    begin()
-                    pieces.output = self._forward(size, attn)
-                    end()
-                torch.cuda.current_stream().wait_stream(stream)
-                self.pieces[size] = pieces
-        except BaseException:
-            if open_graph is not None:
-                with torch.cuda.stream(stream):
-                    try:
-                        open_graph.capture_end()
-                    except RuntimeError:                      # an invalidated capture: ending it is all we need
-                        pass
-            raise
-        finally:
-            if enabled:
-                gc.enable()
+                self.pieces[size] = self._capture_pieces(size, pool, stream)
         torch.cuda.synchronize()
         self.captured = True
+
+    def _capture_pieces(self, size: int, pool, stream: torch.cuda.Stream) -> _Pieces:
+        """One size's pieces, captured on `stream` into `pool`. A capture that fails is ended before the error
+        propagates, as `torch.cuda.graph` does: a stream left capturing would fail every later allocation."""
+        pieces = _Pieces()
+
+        def begin() -> None:
+            pieces.graphs.append(torch.cuda.CUDAGraph())
+            pieces.graphs[-1].capture_begin(pool=pool)
+
+        def cut(call: _Call) -> torch.Tensor:
+            pieces.graphs[-1].capture_end()
+            pieces.calls.append(call)
+            begin()
+            return call.out
+
+        attn = _PieceAttention(self, size, cut)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            begin()
+            try:
+                pieces.output = self._forward(size, attn)
+            except BaseException:
+                with contextlib.suppress(RuntimeError):       # an invalidated capture: ending it is all we need
+                    pieces.graphs[-1].capture_end()
+                raise
+            pieces.graphs[-1].capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return pieces
 
     def size_for(self, num_tokens: int) -> int:
         """The capture size a step of num_tokens tokens is padded to. Raises ValueError naming num_tokens above the
