@@ -67,7 +67,7 @@ def test_multi_step_equals_transformers(tiny_model_path, how, overlap):
     bursts = spy_on_bursts(llm)
     rng = random.Random(3)
     prompts = random_prompts(21, [rng.randint(1, 14) for _ in range(6)])
-    ns = [1, 2, 5, 9, 11, 14]                         # bursts are cut to the fewest tokens any request has left
+    ns = [1, 2, 5, 9, 11, 14]                         # requests end part-way through bursts
     outs = llm.generate(prompts, [greedy(n) for n in ns])
     for p, o, n in zip(prompts, outs, ns):
         assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}, n={n}"
@@ -93,7 +93,7 @@ def test_a_stop_part_way_through_a_burst(tiny_models, how, overlap):
     outs = llm.generate(prompts, [greedy(16, stop_token_ids=[full[j]]), greedy(20)])
     assert outs[0].token_ids == full[:j + 1] and outs[0].finish_reason == "stop"
     assert outs[1].token_ids == hf_greedy(path, prompts[1], 20)
-    assert bursts[0] == 8 and bursts.continued[:1] == ([7] if overlap else []), bursts
+    assert bursts[0] == 8 and bursts.continued[:1] == ([8] if overlap else []), bursts
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
@@ -112,6 +112,47 @@ def test_overlap_launches_the_next_burst_before_taking_tokens(tiny_models, how, 
     for p, o in zip(prompts, outs):
         assert o.token_ids == hf_greedy(path, p, 20)
     assert bursts == [4, 4, 4, 4, 3] and bursts.continued == ([4, 4, 4, 3] if overlap else []), bursts
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@OVERLAP
+@pytest.mark.parametrize("how", ["eager", "static buffers"])
+def test_bursts_run_past_a_request_that_ends(tiny_models, how, overlap):
+    """Requests that end one after another (max_new_tokens 3, 6, ..., 18): the bursts go on past each one's last
+    token (its row's later tokens are dropped, as after a stop) instead of shrinking to the fewest tokens any
+    request has left, which would turn them into single steps; every request gets transformers' tokens, no more."""
+    path = tiny_models["qwen3"]
+    prompts = random_prompts(29, [4, 7, 2, 9, 5, 3])
+    ns = [3, 6, 9, 12, 15, 18]
+    llm = build(path, how, 4, overlap, max_num_seqs=8)
+    bursts = spy_on_bursts(llm)
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(path, p, n), f"n={n}"
+        assert o.finish_reason == "length"
+    # 17 decode steps after the prefill's token: four bursts of 4, then one single step (a burst needs 2 or more);
+    # with overlap, the burst after the one in which a request ends is scheduled afresh, not continued
+    assert bursts == [4, 4, 4, 4] and bursts.continued == ([4, 4] if overlap else []), bursts
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@OVERLAP
+@pytest.mark.parametrize("how", ["eager", "static buffers"])
+def test_bursts_stop_at_max_model_len(tiny_models, how, overlap):
+    """A request that ends at max_model_len takes no surplus steps past it (its block table cannot grow past
+    max_model_len / block_size blocks, the static buffers' width), though a longer-running request still has tokens
+    to go: the bursts shrink to the positions it has left, and both requests get transformers' tokens."""
+    path = tiny_models["llama"]
+    at_limit, short = random_prompts(30, [14, 3])
+    llm = build(path, how, 4, overlap, max_num_seqs=4, max_model_len=24)
+    bursts = spy_on_bursts(llm)
+    outs = llm.generate([at_limit, short], [greedy(10), greedy(20)])
+    assert outs[0].token_ids == hf_greedy(path, at_limit, 10)
+    assert outs[1].token_ids == hf_greedy(path, short, 20)
+    # at_limit's 9 decode tokens: 4, 4, then the 2 positions it has left (one surplus); short's go on by 4
+    assert bursts == [4, 4, 2, 4, 4] and bursts.continued == ([4, 2, 4] if overlap else []), bursts
     stats = llm.engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 

@@ -22,10 +22,12 @@ def decode_steps_ahead(scheduler: Scheduler, max_steps: int) -> int:
 
     More than one only when every admitted request is decoding, none waits (a burst delays admission),
     they fit the token budget, and the free blocks cover every request's new tokens without preemption.
-    The count never exceeds `max_steps` nor the tokens any request may still generate, so only a stop
-    (EOS, a stop string) can end a request part-way through. The price of that rule: one request near its
-    `max_new_tokens` shortens (or, with one token left, cancels) the burst of all the others; vLLM ran all
-    k steps instead and dropped the surplus tokens.
+    The count never exceeds `max_steps`, the most tokens any request may still generate, nor the positions any
+    request has left before `max_model_len` (the block tables' width). A request with fewer tokens to go ends
+    part-way through, as at a stop (EOS, a stop string): its row computes tokens the engine drops, while the
+    others go on (vLLM's multi-step ran all k steps and dropped the surplus the same way). Cutting every burst to
+    the fewest tokens any request has left instead turns a batch whose requests end one after another (as
+    requests admitted step by step do) into single steps, each paying the host's work between them.
     """
     running = scheduler.running_requests
     if (max_steps < 2 or scheduler.waiting_queue or scheduler.prefilling_requests or not running
@@ -35,12 +37,15 @@ def decode_steps_ahead(scheduler: Scheduler, max_steps: int) -> int:
 
 
 def _allocate_steps(scheduler: Scheduler, in_flight: int, max_steps: int) -> int:
-    """The decode steps every running request may take after its `in_flight` ones not yet counted (at most
-    max_steps), with their blocks allocated; 1 (nothing allocated) if that is fewer than 2 or the free blocks do not
-    cover them."""
+    """The decode steps the running requests may take after their `in_flight` ones not yet counted (at most
+    max_steps, the most tokens any may still generate, the positions any has left; see `decode_steps_ahead`), with
+    their blocks allocated; 1 (nothing allocated) if that is fewer than 2 or the free blocks do not cover them."""
     running = scheduler.running_requests
-    steps = min(max_steps, *(r.params.max_new_tokens - r.num_output_tokens - in_flight for r in running))
-    B = scheduler.config.block_size
+    cfg = scheduler.config
+    tokens_left = max(r.params.max_new_tokens - r.num_output_tokens - in_flight for r in running)
+    positions_left = min(cfg.max_model_len - r.num_computed_tokens - in_flight for r in running)
+    steps = min(max_steps, tokens_left, positions_left)
+    B = cfg.block_size
     missing = [cdiv(r.num_computed_tokens + in_flight + steps, B) - len(r.block_table) for r in running]
     if steps < 2 or sum(m for m in missing if m > 0) > scheduler.pool.num_free_blocks:
         return 1
@@ -56,8 +61,9 @@ def decode_steps_after(scheduler: Scheduler, batch, in_flight: int, max_steps: i
 
     More than one only when the burst's requests are still exactly the admitted ones, all decoding and none
     finished (a stop in the burst in flight is found only when its tokens are taken: the steps after it compute
-    tokens the engine drops, as within a burst), none waits, every request may generate that many tokens after the
-    `in_flight` ones, and the free blocks cover them. Blocks are only ever allocated here and in scheduling, and
+    tokens the engine drops, as within a burst, and so do those after a request's last token), none waits, some
+    request may still generate that many tokens after the `in_flight` ones, none runs past `max_model_len`, and the
+    free blocks cover them. Blocks are only ever allocated here and in scheduling, and
     neither happens while a request that finished may still write K/V into blocks it freed: once one has finished,
     the next call returns 1 and the engine waits for the steps in flight before it schedules again.
     """
