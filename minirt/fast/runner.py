@@ -10,11 +10,13 @@ from typing import Callable
 
 import torch
 
+from minirt.attention import PagedAttentionMetadata
 from minirt.config import cdiv
 from minirt.fast.attention import KernelPagedAttention, attention_kernels
 from minirt.fast.cuda_graphs import DecodeGraphs
 from minirt.fast.layers import speed_up_model
 from minirt.fast.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
+from minirt.fast.staging import InputStaging
 from minirt.kv.paged_cache import allocate_kv_cache
 from minirt.model.decoder import DecoderModel
 from minirt.model_runner import ModelRunner, StepInputs, pad_block_tables
@@ -33,26 +35,30 @@ class FastModelRunner(ModelRunner):
                  decode_graphs: DecodeGraphs | None = None, piecewise_graphs: PiecewiseGraphs | None = None):
         super().__init__(model, kv_cache, block_size)
         self.kernel, self.store = kernel, store
+        self.staging = InputStaging(self.device, block_size)
         self.decode_graphs, self.piecewise_graphs = decode_graphs, piecewise_graphs
 
     def attention(self, meta) -> KernelPagedAttention:
         return KernelPagedAttention(self.kv_cache, meta, self.kernel, self.store)
 
     def forward(self, step: StepInputs) -> torch.Tensor:
+        """Hidden states `[num_sampled, hidden]` of the sampled rows: through a decode graph where there is one for
+        the step, else through the piecewise graphs (a step with prefill chunks, `minirt.fast.piecewise_graphs`) up to
+        their largest size, else eagerly; the inputs go in one asynchronous copy (`InputStaging`)."""
         hidden = self.forward_decode_graph(step)
-        if hidden is None:
-            hidden = self.forward_piecewise(step)
-        return super().forward(step) if hidden is None else hidden
-
-    def forward_piecewise(self, step: StepInputs) -> torch.Tensor | None:
-        """Hidden states `[num_sampled, hidden]` of the sampled rows through the piecewise graphs (a step with prefill
-        chunks, `minirt.fast.piecewise_graphs`); None if there are none or the step has more tokens than their
-        largest size."""
+        if hidden is not None:
+            return hidden
+        input_ids, positions, meta, rows = self.staging.send(step)
         graphs = self.piecewise_graphs
-        if graphs is None or len(step.input_ids) > graphs.sizes[-1]:
-            return None
-        input_ids, positions, meta = self.to_device(step)
-        return graphs.run(input_ids[0], positions[0], self.attention(meta))[step.sample_rows]
+        if graphs is not None and len(step.input_ids) <= graphs.sizes[-1]:
+            hidden = graphs.run(input_ids[0], positions[0], self.attention(meta))
+        else:
+            hidden = self.model(input_ids, positions, attn=self.attention(meta))[0]
+        return hidden[rows]
+
+    def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
+        """`ModelRunner.to_device`'s tensors, as views of `InputStaging`'s buffer, valid until the next step's."""
+        return self.staging.send(step)[:3]
 
     def forward_decode_graph(self, step: StepInputs) -> torch.Tensor | None:
         """Hidden states `[num_sampled, hidden]` of the sampled rows, through a CUDA graph, for a step whose

@@ -1,0 +1,74 @@
+"""A step's inputs in one asynchronous host-to-device copy: the fast runner's `to_device`.
+
+The reference runner (`minirt.model_runner.ModelRunner.to_device`, chapter 05) makes each input tensor with
+`torch.tensor(list, device=...)`: six copies from pageable memory for a step, and each one returns only once the
+GPU has run everything queued before it, so the host waits while it could be launching. Here a step's inputs are
+written into one pinned host buffer and copied with one asynchronous copy; the tensors the step runs on are views
+of its device twin. The rows to sample go with them, so that selecting them launches a gather instead of waiting
+for the forward to finish. vLLM's GPU model runner keeps its inputs in pinned CPU/GPU buffer pairs the same way
+(`CpuGpuBuffer`); nano-vllm copies with `pin_memory().cuda(non_blocking=True)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minirt.attention import PagedAttentionMetadata
+from minirt.config import cdiv
+from minirt.model_runner import StepInputs
+
+
+class InputStaging:
+    """One pinned host buffer and its device twin, grown as steps need, for `send`.
+
+    The buffer is reused by every step: before it is written again, `send` waits for the copy of the step before to
+    have read it (an event recorded after that copy; a step whose rows are all unsampled prefill chunks ends
+    without any host sync, so the next one may come while its copy is queued)."""
+
+    def __init__(self, device: torch.device, block_size: int):
+        self.device, self.block_size = device, block_size
+        self.host = self.buffer = None
+        self.copied: torch.cuda.Event | None = None
+        self.pin = device.type == "cuda"                      # elsewhere the copy is a plain one (tests on the CPU)
+
+    def _reserve(self, n: int) -> None:
+        if self.host is None or self.host.numel() < n:
+            n = max(n, 2 * (0 if self.host is None else self.host.numel()))
+            self.host = torch.empty(n, dtype=torch.long, pin_memory=self.pin)
+            self.buffer = torch.empty(n, dtype=torch.long, device=self.device)
+
+    def send(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata, torch.Tensor]:
+        """`(input_ids [1, N], positions [1, N], metadata, sample_rows [R])` on the device, as
+        `ModelRunner.to_device` gives the first three (block tables `[num_seqs, W]`, W the blocks of the longest
+        context, padded with block 0); sample_rows indexes the rows to sample. Views of the device buffer: valid
+        until the next `send`, which they must not outlive (the runner's step uses them and is done)."""
+        n, s, r = len(step.input_ids), len(step.context_lens), len(step.sample_rows)
+        max_ctx = max(step.context_lens)
+        width = cdiv(max_ctx, self.block_size)
+        sizes = {"input_ids": n, "positions": n, "slots": n, "query_start_loc": s + 1, "context_lens": s,
+                 "sample_rows": r}
+        total = sum(sizes.values()) + s * width
+        if self.copied is not None:
+            self.copied.synchronize()                          # the step before's copy has read the buffer
+        self._reserve(total)
+        host = self.host.numpy()                               # a view: filling it fills the pinned buffer
+        offsets, at = {}, 0
+        for name, size in sizes.items():
+            offsets[name] = at
+            host[at:at + size] = getattr(step, name)
+            at += size
+        tables = host[at:at + s * width].reshape(s, width)
+        for row, table in enumerate(step.block_tables):
+            k = min(len(table), width)
+            tables[row, :k] = table[:k]
+            tables[row, k:] = 0
+        self.buffer[:total].copy_(self.host[:total], non_blocking=self.pin)
+        if self.pin:
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        view = {name: self.buffer[offsets[name]:offsets[name] + size] for name, size in sizes.items()}
+        meta = PagedAttentionMetadata(
+            slot_mapping=view["slots"], query_start_loc=view["query_start_loc"], context_lens=view["context_lens"],
+            block_tables=self.buffer[at:at + s * width].view(s, width), max_query_len=step.max_query_len,
+            max_context_len=max_ctx)
+        return view["input_ids"][None], view["positions"][None], meta, view["sample_rows"]
