@@ -9,7 +9,8 @@ workload (`minirt.bench.WORKLOADS`: 256 requests, prompts of 100-1024 tokens, 51
    4 GiB) and the bf16 GEMM rate of a prefill-sized product; from them the workload's ceiling: every decode step
    reads the weights and every sequence's K/V once, every prompt token costs 2 x parameters FLOPs.
 2. A timed run, each model-runner call recorded (host clock, CUDA events, no sync added): time in steps with
-   prefill chunks, in decode bursts (multi-step decode), and between calls (the host's own work).
+   prefill chunks, in decode bursts (multi-step decode), and between calls (the host's own work); for single steps
+   also the GPU time until their inputs were queued and of their forward; the garbage collector's pauses.
 3. A profiled run of the same workload: `torch.profiler` switched on for a few steps with prefill chunks and a few
    decode bursts at the full batch; kernels by category and the top kernels, per phase.
 4. (`--no-sweep` leaves it out) The paged-attention kernel's tile options at the two shapes that dominate: a decode
@@ -25,6 +26,7 @@ import argparse
 import collections
 import datetime
 import functools
+import gc
 import os
 import statistics
 import sys
@@ -123,6 +125,11 @@ class Recorder:
         runner = engine.model_runner
         self._step, self._execute, self._forward = engine.step, runner.execute, runner.forward
         engine.step, runner.execute, runner.forward = self.step, self.execute, self.forward
+        self._staging = getattr(runner, "staging", None)
+        if self._staging is not None:
+            self._send = self._staging.send
+            self._staging.send = self.send
+        self._sent = None          # CUDA event recorded once a single step's inputs are queued for the device
         self._seen = None
         self._launched = None      # host seconds from the single step's start until its forward was launched
         self._open = None          # (label, first index, last index, engine.num_steps at the start, profiler)
@@ -130,6 +137,15 @@ class Recorder:
     def close(self):
         runner = self.engine.model_runner
         self.engine.step, runner.execute, runner.forward = self._step, self._execute, self._forward
+        if self._staging is not None:
+            self._staging.send = self._send
+
+    def send(self, step):
+        """The fast runner's input copy (`InputStaging.send`): an event after it, where the GPU can start."""
+        out = self._send(step)
+        self._sent = torch.cuda.Event(enable_timing=True)
+        self._sent.record()
+        return out
 
     def execute(self, items):
         """A single step (prefill chunks, or decodes that run no burst): its kind, and CUDA events around it."""
@@ -137,15 +153,19 @@ class Recorder:
         self._exec_t0 = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        self._sent = self._forwarded = None
         result = self._execute(items)
         end.record()
-        self._events = (start, end)
+        self._events = (start, end, self._sent, self._forwarded)
         return result
 
     def forward(self, step):
-        """The forward of a single step; the host's time until it returns (every kernel launched) is recorded."""
+        """The forward of a single step; the host's time until it returns (every kernel launched) is recorded, and
+        an event after its last kernel."""
         hidden = self._forward(step)
         self._launched = time.perf_counter() - self._exec_t0
+        self._forwarded = torch.cuda.Event(enable_timing=True)
+        self._forwarded.record()
         return hidden
 
     def step(self):
@@ -174,15 +194,52 @@ class Recorder:
         return result
 
 
+class GcPauses:
+    """Records the garbage collector's collections while open (`gc.callbacks`): per generation, how many and how many
+    seconds the host spent in them."""
+
+    def __init__(self):
+        self.count, self.seconds, self.longest_s, self._t0 = [0, 0, 0], [0.0, 0.0, 0.0], 0.0, None
+
+    def __enter__(self):
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            dt = time.perf_counter() - self._t0
+            gen = info["generation"]
+            self.count[gen] += 1
+            self.seconds[gen] += dt
+            self.longest_s = max(self.longest_s, dt)
+
+    def as_dict(self) -> dict:
+        return {"collections": self.count, "seconds": self.seconds, "longest_s": self.longest_s,
+                "total_s": sum(self.seconds)}
+
+
 def step_records(calls: list[dict]) -> list[list]:
     """Every engine step as [kind, rows, tokens, decode steps, host ms, ms until the forward was launched (single
-    steps), GPU ms between events around the runner's execute (single steps)], in order. Synchronizes."""
+    steps), GPU ms between events around the runner's execute (single steps), and of that, GPU ms until the inputs
+    were queued (the host preparing them, the GPU idle) and GPU ms of the forward (steps that copy their inputs
+    with `InputStaging`)], in order. Synchronizes."""
     torch.cuda.synchronize()
     rows = []
     for c in calls:
-        gpu = c["events"][0].elapsed_time(c["events"][1]) if c.get("events") else None
+        gpu = prep = forward = None
+        if c.get("events"):
+            start, end, sent, forwarded = c["events"]
+            gpu = start.elapsed_time(end)
+            if sent is not None and forwarded is not None:
+                prep, forward = start.elapsed_time(sent), sent.elapsed_time(forwarded)
         launched = None if c.get("launched_s") is None else c["launched_s"] * 1e3
-        rows.append([c["kind"], c["rows"], c["tokens"], c["steps"], (c["t1"] - c["t0"]) * 1e3, launched, gpu])
+        rows.append([c["kind"], c["rows"], c["tokens"], c["steps"], (c["t1"] - c["t0"]) * 1e3, launched, gpu,
+                     prep, forward])
     return rows
 
 
@@ -341,10 +398,13 @@ def main(argv: list[str] | None = None) -> int:
                                          m["gemm_flop_per_s"])}
         run_minirt(llm, make_prompts(8, lengths, cfg.vocab_size, 101), 8, device)        # warm-up
         rec = Recorder(engine)
-        figures, _ = run_minirt(llm, prompts, n, device)
+        with GcPauses() as pauses:
+            figures, _ = run_minirt(llm, prompts, n, device)
         report["run"] = figures
+        report["gc_during_run"] = pauses.as_dict()
         report["calls"] = summarize_calls(rec.calls, figures["wall_time_s"])
-        report["steps"] = {"columns": ["kind", "rows", "tokens", "decode_steps", "host_ms", "launched_ms", "gpu_ms"],
+        report["steps"] = {"columns": ["kind", "rows", "tokens", "decode_steps", "host_ms", "launched_ms", "gpu_ms",
+                                       "prep_gpu_ms", "forward_gpu_ms"],
                            "rows": step_records(rec.calls)}
         rec.windows, rec.calls = windows_for(rec.calls), []
         fresh = make_prompts(n_req, lengths, cfg.vocab_size, 7)    # new prompts: the first run's are now cached
@@ -378,6 +438,10 @@ def print_report(r: dict) -> None:
     print(f"ceiling (read bw): decode {c['decode_s']:.2f} s + prefill {c['prefill_s']:.2f} s = {c['total_s']:.2f} s "
           f"-> {c['output_tokens_per_s']:,.0f} tok/s; run: {run['wall_time_s']:.2f} s, "
           f"{run['output_tokens_per_s']:,.0f} tok/s = {run['output_tokens_per_s'] / c['output_tokens_per_s']:.1%}")
+    if "gc_during_run" in r:
+        g = r["gc_during_run"]
+        print(f"  garbage collector during the run: {g['collections']} collections (generations 0/1/2), "
+              f"{g['total_s'] * 1e3:.1f} ms in all, longest {g['longest_s'] * 1e3:.1f} ms")
     for kind, v in r["calls"].items():
         print(f"  {kind}: {v}")
     prefill = [row for row in r.get("steps", {}).get("rows", []) if row[0] == "prefill"]
@@ -385,6 +449,8 @@ def print_report(r: dict) -> None:
         med = lambda i: statistics.median(row[i] for row in prefill)          # noqa: E731
         print(f"  prefill steps, median: host {med(4):.1f} ms, forward launched after {med(5):.1f} ms, "
               f"GPU {med(6):.1f} ms; tokens {med(2):.0f}, rows {med(1):.0f}")
+        if all(len(row) > 8 and row[7] is not None for row in prefill):
+            print(f"    of the GPU time: until the inputs were queued {med(7):.1f} ms, the forward {med(8):.1f} ms")
     for kind, prof in r.get("profiles", {}).items():
         for s in prof["sessions"]:
             print(f"profile {kind} rows={s['rows']}: host {s['host_s_per_step'] * 1e3:.2f} ms/step, kernels "
