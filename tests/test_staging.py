@@ -55,4 +55,8 @@ def test_send_equals_the_reference_to_device(device):
             assert torch.equal(getattr(meta, name), getattr(want, name)), name
         assert (meta.max_query_len, meta.max_context_len) == (want.max_query_len, want.max_context_len)
         assert rows.tolist() == step.sample_rows and rows.device.type == device
+        # 16-byte aligned, as a fresh tensor is: Triton compiles a kernel again for a pointer that is not
+        views = [ids, positions, rows] + [getattr(meta, name) for name in ("slot_mapping", "query_start_loc",
+                                                                           "context_lens", "block_tables")]
+        assert all(t.data_ptr() % 16 == 0 for t in views), [t.data_ptr() % 16 for t in views]
     assert grew[4] > grew[0]                          # the 12-sequence step needed a larger buffer

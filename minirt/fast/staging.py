@@ -17,6 +17,8 @@ from minirt.attention import PagedAttentionMetadata
 from minirt.config import cdiv
 from minirt.model_runner import StepInputs
 
+ALIGN = 16                 # int64 entries: each view of the buffer starts at a multiple of 128 bytes
+
 
 class InputStaging:
     """One pinned host buffer and its device twin, grown as steps need, for `send`.
@@ -47,16 +49,20 @@ class InputStaging:
         width = cdiv(max_ctx, self.block_size)
         sizes = {"input_ids": n, "positions": n, "slots": n, "query_start_loc": s + 1, "context_lens": s,
                  "sample_rows": r}
-        total = sum(sizes.values()) + s * width
+        # Every view starts ALIGN entries (128 bytes) into the buffer: Triton compiles a kernel again for a
+        # pointer argument that is not 16-byte aligned, and an unaligned view would cost a compile on first sight.
+        starts = {}
+        at = 0
+        for name, size in sizes.items():
+            starts[name] = at
+            at += -(-size // ALIGN) * ALIGN
+        total = at + s * width
         if self.copied is not None:
             self.copied.synchronize()                          # the step before's copy has read the buffer
         self._reserve(total)
         host = self.host.numpy()                               # a view: filling it fills the pinned buffer
-        offsets, at = {}, 0
         for name, size in sizes.items():
-            offsets[name] = at
-            host[at:at + size] = getattr(step, name)
-            at += size
+            host[starts[name]:starts[name] + size] = getattr(step, name)
         tables = host[at:at + s * width].reshape(s, width)
         for row, table in enumerate(step.block_tables):
             k = min(len(table), width)
@@ -66,7 +72,7 @@ class InputStaging:
         if self.pin:
             self.copied = torch.cuda.Event()
             self.copied.record()
-        view = {name: self.buffer[offsets[name]:offsets[name] + size] for name, size in sizes.items()}
+        view = {name: self.buffer[starts[name]:starts[name] + size] for name, size in sizes.items()}
         meta = PagedAttentionMetadata(
             slot_mapping=view["slots"], query_start_loc=view["query_start_loc"], context_lens=view["context_lens"],
             block_tables=self.buffer[at:at + s * width].view(s, width), max_query_len=step.max_query_len,
