@@ -40,10 +40,10 @@ import minirt
 from minirt.bench import (
     WORKLOADS,
     build_random_qwen3,
-    commit,
     copy_bandwidth,
-    environment,
+    cuda_seconds,
     make_prompts,
+    report_header,
     run_minirt,
     write_report,
 )
@@ -68,29 +68,15 @@ def category(name: str) -> str:
     return "other"
 
 
-def timed(fn, iters: int = 10) -> float:
-    """Median seconds of `fn()` on the current stream, by CUDA events."""
-    fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
 def read_seconds(device, nbytes: int) -> float:
     x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    return timed(x.sum)
+    return cuda_seconds(x.sum)
 
 
 def gemm_seconds(device, m: int, k: int, n: int) -> float:
     a = torch.randn(m, k, dtype=torch.bfloat16, device=device)
     w = torch.randn(n, k, dtype=torch.bfloat16, device=device)
-    return timed(functools.partial(torch.matmul, a, w.t()))
+    return cuda_seconds(functools.partial(torch.matmul, a, w.t()))
 
 
 def machine(device) -> dict:
@@ -346,7 +332,7 @@ def attention_sweep(device, quick: bool) -> dict:
                 BLOCK_SIZE=bs, HEAD_DIM=dim, GROUP=heads // kv_heads, BLOCK_M=bm, BLOCK_N=bn, NUM_SPLITS=1,
                 IEEE=False, PDL=False, PREFETCH=False, LAST_COMBINES=False, num_warps=warps, num_stages=stages)
             try:
-                s = timed(call, iters=20)
+                s = cuda_seconds(call, iters=20)
             except Exception as e:  # noqa: BLE001 - a variant that does not compile (shared memory) is recorded
                 rows.append({"block_m": bm, "block_n": bn, "num_warps": warps, "num_stages": stages,
                              "error": f"{type(e).__name__}: {str(e)[:200]}"})
@@ -376,9 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         print("profile_throughput.py needs CUDA", file=sys.stderr)
         return 2
     device = torch.device("cuda")
-    dev, versions = environment(device)
-    report = {"device": dev, "versions": versions, "commit": commit(),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "quick": args.quick}
+    report = {**report_header(device), "quick": args.quick}
     report["machine"] = m = machine(device)
     n_req, lengths, n = WORKLOADS["cuda", args.quick]["throughput"]
     with tempfile.TemporaryDirectory() as tmp:

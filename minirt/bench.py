@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -278,6 +279,29 @@ def environment(device: torch.device) -> tuple[dict, dict]:
              "load_average_1min": os.getloadavg()[0]}, versions)
 
 
+def cuda_seconds(fn, iters: int = 10) -> float:
+    """Median seconds of `fn()` on the current CUDA stream over `iters` calls (after one untimed call), by CUDA
+    events around each."""
+    fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def report_header(device: torch.device) -> dict:
+    """What every benchmark report starts with: the device, the library versions (`environment`), the commit
+    measured (`commit`) and the date."""
+    dev, versions = environment(device)
+    return {"device": dev, "versions": versions, "commit": commit(),
+            "date": datetime.datetime.now().isoformat(timespec="seconds")}
+
+
 def agreement(mine: list[list[int]], theirs: list[list[int]]) -> dict:
     """Greedy-token agreement: the fraction of prompts with equal tokens, the mean common-prefix fraction."""
     def prefix(a, b):
@@ -333,9 +357,7 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     settings = {w: dict(zip(("num_requests", "prompt_len", "max_new_tokens"), WORKLOADS[device.type, quick][w]))
                 for w in workloads}
-    dev, versions = environment(device)
-    report = {"device": dev, "versions": versions, "commit": commit(),
-              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    report = {**report_header(device),
               "settings": {"quick": quick, "seed": seed, "dtype": str(dtype).removeprefix("torch."),
                            "baselines": list(baselines), "workloads": settings, "engine": engine_kwargs or {}},
               "bandwidth": copy_bandwidth(device, 2**31 if device.type == "cuda" else 2**28)}
