@@ -242,8 +242,9 @@ def test_profile_throughput_ceiling_counts_every_step_of_every_sequence():
     assert got["output_tokens_per_s"] == pytest.approx(4 / (0.3 + 1.0))
 
 
-def test_profile_throughput_windows_pick_prefill_steps_and_full_bursts():
+def test_profile_throughput_windows_pick_prefill_steps_the_first_and_full_bursts():
     windows_for = _benchmark_module("profile_throughput").windows_for
     calls = ([{"kind": "prefill", "rows": r} for r in (8, 16, 24, 32, 40, 48)] + [{"kind": "decode", "rows": 48}]
              + [{"kind": "burst", "rows": r} for r in (48, 48, 48, 48, 47)])
-    assert windows_for(calls) == {2: ("prefill", 1), 3: ("prefill", 1), 4: ("prefill", 1), 9: ("burst", 3)}
+    assert windows_for(calls) == {2: ("prefill", 1), 3: ("prefill", 1), 4: ("prefill", 1), 7: ("first_burst", 1),
+                                  9: ("burst", 3)}
