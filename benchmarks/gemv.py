@@ -16,8 +16,9 @@ kernels and as one (the product in the GEMV's epilogue). Writes `gemv-cuda[-quic
 their prologue, o_proj, down_proj; the gate/up with SiLU-and-multiply), each taking the one before's output as
 its x, all with their own weights (0.88 GB, more than the L2), captured in one CUDA graph. Isolated calls
 overstate each kernel's ramp-up and tail, which a chain with programmatic dependent launch (PDL) overlaps.
-It times the chain with `choose_config`'s tiles without and with PDL, then varies one layer GEMV's tiles at
-a time (the others at their defaults), with PDL. Writes `gemv-chain-cuda-<date>.json`.
+It times the chain with `choose_config`'s tiles without and with PDL, then each layer's four GEMVs as one
+persistent launch (`minirt.kernels.gemv_chain_triton`) at 1, 2, 4 and 8 programs per SM, then varies one layer
+GEMV's tiles at a time (the others at their defaults), with PDL. Writes `gemv-chain-cuda-<date>.json`.
 """
 
 from __future__ import annotations
@@ -152,15 +153,31 @@ def chain_candidates(n: int, fuses: str) -> list:
     return out
 
 
+def chain_inputs():
+    """NUM_LAYERS layers' weights (LAYER's shapes, each layer its own), a norm weight and the first x: seeded."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    weights = [[torch.randn(n, k, device="cuda", dtype=DTYPE, generator=gen) / k ** 0.5 for _, k, n, _ in LAYER]
+               for _ in range(NUM_LAYERS)]
+    return weights, torch.ones(1024, device="cuda", dtype=DTYPE), torch.randn(1, 1024, device="cuda", dtype=DTYPE)
+
+
+def us_per_layer(step) -> float:
+    """`step` (NUM_LAYERS layers) run once, captured in a CUDA graph and replayed: microseconds per layer."""
+    step()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    us = replay_time(g, NUM_LAYERS)
+    del g
+    return us
+
+
 def layer_chain(pdl: bool, configs: dict | None = None) -> float:
     """Microseconds per layer of NUM_LAYERS layers' GEMVs replayed from one CUDA graph (see the module docstring).
     configs: {index in LAYER: GemvConfig} overriding `choose_config` for that GEMV in every layer."""
     configs = configs or {}
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    weights = [[torch.randn(n, k, device="cuda", dtype=DTYPE, generator=gen) / k ** 0.5 for _, k, n, _ in LAYER]
-               for _ in range(NUM_LAYERS)]
-    norm_w = torch.ones(1024, device="cuda", dtype=DTYPE)
-    x0 = torch.randn(1, 1024, device="cuda", dtype=DTYPE)
+    weights, norm_w, x0 = chain_inputs()
 
     def step():
         x, stream = x0, None
@@ -172,14 +189,27 @@ def layer_chain(pdl: bool, configs: dict | None = None) -> float:
             x = G.linear_gemv(act, ws[3], config=configs.get(3), pdl=pdl)
         return x
 
-    step()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    us = replay_time(g, NUM_LAYERS)
-    del g
-    return us
+    return us_per_layer(step)
+
+
+def persistent_chain(pdl: bool, programs_per_sm: int) -> float:
+    """`layer_chain`'s layers with each layer's four GEMVs in one persistent launch (`gemv_chain`, phases split by
+    grid barriers; one memset zeroes the layers' counts), microseconds per layer."""
+    from minirt.kernels.gemv_chain_triton import gemv_chain
+
+    weights, norm_w, x0 = chain_inputs()
+    sync = torch.zeros(NUM_LAYERS, dtype=torch.int32, device="cuda")
+
+    def step():
+        x, stream = x0, None
+        sync.zero_()
+        for i, ws in enumerate(weights):
+            outs = gemv_chain(x, ws, (norm_w, norm_w), stream, sync=sync[i:i + 1], programs_per_sm=programs_per_sm,
+                              pdl=pdl)
+            x, stream = outs.out, outs.stream_mlp
+        return x
+
+    return us_per_layer(step)
 
 
 def chain_sweep(out_dir: str) -> None:
@@ -200,6 +230,12 @@ def chain_sweep(out_dir: str) -> None:
     else:
         report["default_pdl_us"] = base = layer_chain(True)
         print(f"default tiles, PDL:    {base:.2f} us per layer")
+        report["persistent"] = {}
+        for per_sm in (1, 2, 4, 8):                       # one launch per layer, phases split by grid barriers
+            for pdl in (False, True):
+                key = f"{per_sm} per SM, pdl={pdl}"
+                report["persistent"][key] = us = persistent_chain(pdl, per_sm)
+                print(f"persistent chain, {key}: {us:.2f} us per layer", flush=True)
         report["one_at_a_time"] = {}
         sm_count = torch.cuda.get_device_properties(0).multi_processor_count
         for i, (name, k, n, fuses) in enumerate(LAYER):

@@ -67,7 +67,20 @@ def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefet
     if L2_PREFETCH:     # chunks of the weights the kernels after this one read, asked of L2 by turns
         for chunk in range(tl.program_id(0) * SPLIT_K + split, num_prefetch, tl.num_programs(0) * SPLIT_K):
             _prefetch_l2(tl.load(Prefetch + 2 * chunk), tl.load(Prefetch + 2 * chunk + 1).to(tl.int32))
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    _gemv_rows(tl.program_id(0), split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
+               HAS_BIAS, BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL, "")
+
+
+@triton.jit
+def _gemv_rows(tile, split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
+               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+               SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+               X_CACHE: tl.constexpr):
+    """Output rows `tile * BLOCK_N ...` (split `split` of SPLIT_K): `_gemv_kernel`'s work for one program, also
+    called by the persistent `minirt.kernels.gemv_chain_triton` kernel for each tile it takes. X_CACHE: the cache
+    modifier of the loads of x and the residual ("" or ".cg", which reads through L2: data another program of the
+    same launch wrote)."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows.to(tl.int64)[:, None] * K          # int64: N * K can pass 2**31 (a large vocabulary)
     up_rows = W + (rows + N).to(tl.int64)[:, None] * K    # SILU_AND_MUL: the up row of each gate row, N rows on
@@ -86,15 +99,15 @@ def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefet
             u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if PDL:
             tl.extra.cuda.gdc_wait()                      # x and the residual are the kernel before's output
-        x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0)
+        x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0, cache_modifier=X_CACHE)
         if HAS_RESIDUAL:
-            r = tl.load(Res + k + cols, mask=k_ok, other=0.0)
+            r = tl.load(Res + k + cols, mask=k_ok, other=0.0, cache_modifier=X_CACHE)
         if NORM:
             g = tl.load(NormW + k + cols, mask=k_ok, other=0.0)
         if HAS_RESIDUAL:
             # The residual addition, rounded to the stream's dtype as in `add_rms_norm`; one program keeps it.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
-            if tl.program_id(0) == 0:
+            if tile == 0:
                 tl.store(Stream + k + cols, x, mask=k_ok)
         xf = x.to(tl.float32)
         if NORM:
