@@ -19,18 +19,27 @@ from minirt.sampling import SamplingParams
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 
-def random_step(rng: random.Random, block_size: int, num_seqs: int, max_len: int) -> StepInputs:
-    """A packed batch of decodes and prefill chunks of random requests (block tables from a shuffled pool)."""
+def random_step(rng: random.Random, block_size: int, num_seqs: int, max_len: int, finish: bool | None = None
+                ) -> StepInputs:
+    """A packed batch of decodes and prefill chunks of random requests (block tables from a shuffled pool). A chunk
+    that does not reach the end of its prompt is not sampled: finish=None mixes both, False makes every row such a
+    chunk (no row to sample)."""
     pool = list(range(4 * num_seqs * (max_len // block_size + 1)))
     rng.shuffle(pool)
     items = []
     for _ in range(num_seqs):
-        length = rng.randint(1, max_len)
+        length = rng.randint(2 if finish is False else 1, max_len)
         request = Request(f"r{len(items)}", None, list(range(1, length + 1)), SamplingParams(max_new_tokens=4),
                           frozenset())
         request.num_computed_tokens = rng.choice([length - 1, rng.randint(0, length - 1)])
+        left = length - request.num_computed_tokens
+        if finish is False:
+            request.num_computed_tokens = rng.randint(0, length - 2)
+            left = rng.randint(1, length - 1 - request.num_computed_tokens)
+        elif finish is None and rng.random() < 0.4:
+            left = rng.randint(1, left)                          # a chunk that may stop short of the prompt's end
         request.block_table = [pool.pop() for _ in range(-(-length // block_size))]
-        items.append((request, length - request.num_computed_tokens))
+        items.append((request, left))
     runner = ModelRunner.__new__(ModelRunner)        # prepare_lists needs only the block size
     runner.block_size = block_size
     return runner.prepare_lists(items)
@@ -44,9 +53,13 @@ def test_send_equals_the_reference_to_device(device):
     reference.block_size, reference.device = block_size, torch.device(device)
     staging = InputStaging(torch.device(device), block_size)
     grew = []
-    # wide steps, then narrow ones (stale table entries to clear), then a larger one (the buffer grows)
-    for num_seqs, max_len in [(6, 60), (3, 9), (1, 2), (5, 40), (12, 200), (2, 5)]:
-        step = random_step(rng, block_size, num_seqs, max_len)
+    # wide steps, then narrow ones (stale table entries to clear), a larger one (the buffer grows), one with no row
+    # to sample; rows that are sampled and rows that are not
+    sampled = []
+    for num_seqs, max_len, finish in [(6, 60, None), (3, 9, None), (1, 2, None), (5, 40, None), (12, 200, None),
+                                      (4, 30, False), (2, 5, None), (9, 50, None)]:
+        step = random_step(rng, block_size, num_seqs, max_len, finish)
+        sampled.append(len(step.sample_rows))
         ids, positions, meta, rows = staging.send(step)
         grew.append(staging.host.numel())
         want_ids, want_positions, want = reference.to_device(step)
@@ -60,3 +73,24 @@ def test_send_equals_the_reference_to_device(device):
                                                                            "context_lens", "block_tables")]
         assert all(t.data_ptr() % 16 == 0 for t in views), [t.data_ptr() % 16 for t in views]
     assert grew[4] > grew[0]                          # the 12-sequence step needed a larger buffer
+    assert sampled[5] == 0 and any(0 < n < size for n, size in zip(sampled, [6, 3, 1, 5, 12, 4, 2, 9])), sampled
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the pinned buffer and its asynchronous copy need CUDA")
+def test_the_next_send_waits_for_the_copy_before_it():
+    """The copy of one step is queued behind a long kernel; the next step's send must not rewrite the pinned buffer
+    before that copy has read it (the event `send` records after each copy). The first step's tensors, cloned on the
+    device after its copy, must hold its own inputs, not the second step's."""
+    rng = random.Random(7)
+    staging = InputStaging(torch.device("cuda"), 4)
+    reference = ModelRunner.__new__(ModelRunner)
+    reference.block_size, reference.device = 4, torch.device("cuda")
+    first, second = random_step(rng, 4, 5, 40), random_step(rng, 4, 5, 40)
+    staging.send(second)                              # the buffer is large enough: no reallocation below
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)                    # ~0.1 s of GPU time ahead of the first copy
+    ids, _, meta, _ = staging.send(first)
+    kept = (ids.clone(), meta.block_tables.clone())   # queued after the first copy, before the second
+    staging.send(second)
+    want_ids, _, want = reference.to_device(first)
+    assert torch.equal(kept[0], want_ids) and torch.equal(kept[1], want.block_tables)

@@ -150,7 +150,7 @@ class DecodeGraphs:
         end = self.host_vectors.numel() + size * self.max_blocks_per_seq
         self.buffer[start:end].copy_(self.host_buffer[start:end], non_blocking=True)
         if self.copies_done is not None:
-            self.copies_done.record()
+            self.copies_done.record(torch.cuda.current_stream(self.buffer.device))   # the stream the copy went to
             self.copies_pending = True
 
     def replay(self, num_seqs: int) -> torch.Tensor:

@@ -82,8 +82,8 @@ class FastModelRunner(ModelRunner):
         sampled tokens become the next step's inputs on the device (`advance_decode_inputs`), so the host only
         launches, and the GPU runs the steps one after another. `items` are decodes (one new token each) whose
         block tables already hold `num_steps` new tokens (`minirt.fast.multi_step.decode_steps_ahead`). Returns the
-        requests and their tokens, `[num_steps][num_requests]`; a request that stops part-way (EOS, a stop string)
-        gets tokens past its end, which the engine drops. Raises ValueError if an item is not a decode.
+        requests and their tokens, `[num_steps][num_requests]`; a request that ends part-way (EOS, a stop string,
+        its last token) gets tokens past its end, which the engine drops. Raises ValueError if an item is not a decode.
         The same as `finish_decode_steps(start_decode_steps(items, num_steps))`.
         """
         return self.finish_decode_steps(self.start_decode_steps(items, num_steps))

@@ -71,7 +71,7 @@ class InputStaging:
         self.buffer[:total].copy_(self.host[:total], non_blocking=self.pin)
         if self.pin:
             self.copied = torch.cuda.Event()
-            self.copied.record()
+            self.copied.record(torch.cuda.current_stream(self.device))    # the stream the copy went to
         view = {name: self.buffer[starts[name]:starts[name] + size] for name, size in sizes.items()}
         meta = PagedAttentionMetadata(
             slot_mapping=view["slots"], query_start_loc=view["query_start_loc"], context_lens=view["context_lens"],
