@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minirt.config import EngineConfig
@@ -191,14 +191,20 @@ def test_random_schedules_keep_the_rules(prompts, budget, cap, seats, block_size
 @given(prompts=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 12)), min_size=1, max_size=10),
        budget=st.integers(1, 24), seats=st.integers(1, 6), block_size=st.integers(1, 5),
        num_blocks=st.integers(20, 50), max_steps=st.integers(1, 9),
-       arrivals=st.lists(st.integers(0, 4), min_size=8, max_size=8))
-def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, num_blocks, max_steps, arrivals):
+       arrivals=st.lists(st.integers(0, 4), min_size=8, max_size=8), at_limit=st.booleans())
+@example(prompts=[(20, 3), (1, 12)], budget=8, seats=2, block_size=4, num_blocks=30, max_steps=8,
+         arrivals=[2, 0, 0, 0, 0, 0, 0, 0], at_limit=True)          # the first request caps the bursts at its end
+def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, num_blocks, max_steps, arrivals,
+                                          at_limit):
     """`minirt.fast.multi_step.decode_steps_ahead` against its rules, under random arrivals and a fake model that takes every
-    burst's steps one by one: a burst only when all admitted requests decode and none waits, never longer than
-    `max_steps` or than the tokens any request has left, and with every new token's slot allocated."""
-    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=seats,
-                          max_num_batched_tokens=budget, max_prefill_chunk=8)
+    burst's steps one by one: a burst only when all admitted requests decode and none waits, as long as `max_steps`
+    or the most tokens any request has left (requests with fewer end part-way, their later tokens dropped) but no
+    request past `max_model_len` (at_limit: the longest request's prompt + max_new_tokens; else None, no limit), and
+    with every new token's slot allocated."""
     prompts = [(n, m) for n, m in prompts if -(-(n + m) // block_size) <= num_blocks]
+    limit = max((n + m for n, m in prompts), default=None) if at_limit else None
+    config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=seats,
+                          max_num_batched_tokens=budget, max_prefill_chunk=8, max_model_len=limit)
     pool = BlockPool(num_blocks)
     scheduler = Scheduler(config, pool, PrefixCache(pool, block_size))
     requests = [Request(f"r{i}", None, [i % 5] * n, SamplingParams(max_new_tokens=m), frozenset())
@@ -212,7 +218,9 @@ def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, nu
         running = list(scheduler.running_requests)
         all_decode = (not scheduler.waiting_queue and not scheduler.prefilling_requests and running
                       and len(running) <= budget)
-        left = min((r.params.max_new_tokens - r.num_output_tokens for r in running), default=0)
+        left = max((r.params.max_new_tokens - r.num_output_tokens for r in running), default=0)
+        if limit is not None:                           # the positions the request with the fewest has left
+            left = min([left] + [limit - r.num_computed_tokens for r in running])
         free_before = pool.num_free_blocks
         k = decode_steps_ahead(scheduler, max_steps)
         if k > 1:

@@ -43,8 +43,9 @@ def _allocate_steps(scheduler: Scheduler, in_flight: int, max_steps: int) -> int
     running = scheduler.running_requests
     cfg = scheduler.config
     tokens_left = max(r.params.max_new_tokens - r.num_output_tokens - in_flight for r in running)
-    positions_left = min(cfg.max_model_len - r.num_computed_tokens - in_flight for r in running)
-    steps = min(max_steps, tokens_left, positions_left)
+    steps = min(max_steps, tokens_left)
+    if cfg.max_model_len is not None:             # None: a scheduler built without an engine, no length limit
+        steps = min(steps, *(cfg.max_model_len - r.num_computed_tokens - in_flight for r in running))
     B = cfg.block_size
     missing = [cdiv(r.num_computed_tokens + in_flight + steps, B) - len(r.block_table) for r in running]
     if steps < 2 or sum(m for m in missing if m > 0) > scheduler.pool.num_free_blocks:
