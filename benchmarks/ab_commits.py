@@ -4,10 +4,12 @@
 
 Each tree is a folder holding a `minirt/` package (a checkout, or `git archive REV minirt | tar -x -C DIR`); two or
 more. Every round runs each tree once, in its own process (so that each imports its own minirt), in the order
-A B ... then ... B A (ABBA cancels a slow drift of the machine): the random Qwen3-0.6B-shaped checkpoint of `python -m minirt bench`
-(built once, the same weights for all), minirt's engine with its default settings, a warm-up, then the throughput
-and the batch-1 latency workloads of `minirt.bench.WORKLOADS`. Prints each run, the median of each figure per tree
-and its ratio to the first tree's, and writes `ab-commits-<device>[-quick]-<date>.json` with the note.
+A B ... then ... B A (ABBA cancels a slow drift of the machine): the random Qwen3-0.6B-shaped checkpoint of
+`python -m minirt bench` (built once, the same weights for all), minirt's engine with its default settings, a
+warm-up, then the throughput and the batch-1 latency workloads of `minirt.bench.WORKLOADS` (`--workload`: one of
+them; `--repeats R`: each R times per process, the medians kept, since a batch-1 run takes a fraction of a second
+and a process half a minute to start). Prints each run, the median of each figure per tree and its ratio to the
+first tree's, and writes `ab-commits-<device>[-quick]-<date>.json` with the note.
 """
 
 from __future__ import annotations
@@ -25,8 +27,10 @@ FIGURES = (("throughput", "output_tokens_per_s"), ("throughput", "tpot_p50_s"), 
            ("latency", "tpot_p50_s"))
 
 
-def worker(model: str, quick: bool) -> dict:
-    """One tree's run (the minirt on sys.path): {workload: minirt's figures}, and what the engine resolved."""
+def worker(model: str, quick: bool, workloads: list[str], repeats: int = 1) -> dict:
+    """One tree's run (the minirt on sys.path): {workload: minirt's figures}, and what the engine resolved. With
+    repeats > 1 each workload runs that many times on the same prompts; its figures are the medians, every run's
+    under `<workload>_runs`."""
     import torch
 
     import minirt
@@ -39,9 +43,15 @@ def worker(model: str, quick: bool) -> dict:
     plan = getattr(llm.engine, "plan", None)
     out["plan"] = plan.as_dict() if plan is not None else None
     for i, (name, (num, lengths, new_tokens)) in enumerate(WORKLOADS["cuda", quick].items()):
+        if name not in workloads:
+            continue
         run_minirt(llm, make_prompts(min(num, WARMUP_REQUESTS), lengths, vocab, 100 + i),
                    min(WARMUP_TOKENS, new_tokens), device)
-        out[name], _ = run_minirt(llm, make_prompts(num, lengths, vocab, i), new_tokens, device)
+        runs = [run_minirt(llm, make_prompts(num, lengths, vocab, i), new_tokens, device)[0] for _ in range(repeats)]
+        out[name] = {key: statistics.median(r[key] for r in runs) if isinstance(runs[0][key], (int, float))
+                     else runs[0][key] for key in runs[0]}
+        if repeats > 1:
+            out[name + "_runs"] = runs
     return out
 
 
@@ -50,17 +60,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tree", action="append", required=True, help="NAME=PATH of a folder with minirt/ (2 or more)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds, each running every tree once (default 2)")
     parser.add_argument("--quick", action="store_true", help="the bench's quick workloads")
+    parser.add_argument("--workload", choices=["all", "throughput", "latency"], default="all",
+                        help="which of the bench's workloads each run times (default both)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of each workload per process, their medians reported (default 1)")
     parser.add_argument("--note", default="", help="what the trees are (commits), stored in the JSON")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
+    figures = [(w, k) for w, k in FIGURES if w in workloads]
     if args.worker:
         with open(args.worker[1], "w") as f:
-            json.dump(worker(args.worker[0], args.quick), f)
+            json.dump(worker(args.worker[0], args.quick, workloads, args.repeats), f)
         return 0
     trees = dict(t.split("=", 1) for t in args.tree if "=" in t)
-    if len(trees) < 2 or len(trees) != len(args.tree) or args.rounds < 1:
-        print("error: --tree NAME=PATH at least twice (distinct names), --rounds >= 1", file=sys.stderr)
+    if len(trees) < 2 or len(trees) != len(args.tree) or args.rounds < 1 or args.repeats < 1:
+        print("error: --tree NAME=PATH at least twice (distinct names), --rounds >= 1, --repeats >= 1",
+              file=sys.stderr)
         return 2
     for name, path in trees.items():
         if not os.path.isdir(os.path.join(path, "minirt")):
@@ -82,13 +99,14 @@ def main(argv: list[str] | None = None) -> int:
                 result = os.path.join(tmp, f"{name}-{r}.json")
                 env = dict(os.environ, PYTHONPATH=os.path.abspath(trees[name]))
                 cmd = [sys.executable, os.path.abspath(__file__), "--tree", "x=.", "--tree", "y=.", "--worker", model,
-                       result] + (["--quick"] if args.quick else [])
+                       result, "--workload", args.workload, "--repeats", str(args.repeats)] + (
+                           ["--quick"] if args.quick else [])
                 subprocess.run(cmd, env=env, check=True)
                 with open(result) as f:
                     runs[name].append(json.load(f))
                 figs = runs[name][-1]
-                print(f"round {r} {name:8s} " + "  ".join(f"{w} {k} {figs[w][k]:.4g}" for w, k in FIGURES), flush=True)
-    medians = {n: {f"{w}.{k}": statistics.median(run[w][k] for run in runs[n]) for w, k in FIGURES} for n in names}
+                print(f"round {r} {name:8s} " + "  ".join(f"{w} {k} {figs[w][k]:.4g}" for w, k in figures), flush=True)
+    medians = {n: {f"{w}.{k}": statistics.median(run[w][k] for run in runs[n]) for w, k in figures} for n in names}
     base = medians[names[0]]
     ratios = {n: {key: value / base[key] for key, value in medians[n].items()} for n in names}
     print(f"\n{'figure':32s} " + " ".join(f"{n:>12s}" for n in names) + "  " +
@@ -99,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     dev, versions = environment(torch.device("cuda"))
     report = {"note": args.note, "device": dev, "versions": versions,
               "date": datetime.datetime.now().isoformat(timespec="seconds"), "trees": trees, "rounds": args.rounds,
-              "quick": args.quick, "order": "ABBA...", "runs": runs, "medians": medians, "ratios": ratios}
+              "quick": args.quick, "workloads": workloads, "repeats": args.repeats, "order": "ABBA...", "runs": runs,
+              "medians": medians, "ratios": ratios}
     write_report(report, args.out, "-".join(p for p in ("ab-commits", "cuda", "quick" if args.quick else "",
                                                         str(datetime.date.today())) if p))
     return 0

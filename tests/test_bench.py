@@ -234,6 +234,13 @@ def test_cuda_only_scripts_exit_2_without_cuda(script):
     assert _benchmark_module(script).main([]) == 2
 
 
+@pytest.mark.parametrize("argv", [["--tree", "a=."], ["--tree", "a=.", "--tree", "b=.", "--rounds", "0"],
+                                  ["--tree", "a=.", "--tree", "b=.", "--repeats", "0"]])
+def test_ab_commits_refuses_bad_arguments(argv, capsys):
+    assert _benchmark_module("ab_commits").main(argv) == 2
+    assert "--repeats >= 1" in capsys.readouterr().err
+
+
 def test_profile_throughput_ceiling_counts_every_step_of_every_sequence():
     """`ceiling` against the sum written out by hand: prompts of 1 and 3 tokens, 2 decode steps, 10 bytes of K/V
     per token of context, 100 bytes of weights, 1,000 bytes/s, 2 parameters, 16 FLOP/s."""
