@@ -15,9 +15,7 @@ float32 product of the same bf16 inputs (max relative error in the JSON), as cuB
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import os
 import sys
 
 import torch
@@ -25,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minirt.bench import cuda_seconds, report_header, write_report
+from minirt.bench import cuda_graph_seconds, cuda_script_args, report_header, write_report
 
 LAYERS = 28
 SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072),
@@ -91,14 +89,7 @@ def triton_linear(x: torch.Tensor, w: torch.Tensor, config: tuple, out: torch.Te
 
 def graph_us(calls) -> float:
     """us per call: `calls` (a list of LAYERS callables) captured in one CUDA graph, the median of 15 replays."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for call in calls:
-            call()
-    return cuda_seconds(g.replay, 15) * 1e6 / len(calls)
+    return cuda_graph_seconds(lambda: [call() for call in calls]) * 1e6 / len(calls)
 
 
 def relative_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float:
@@ -108,11 +99,8 @@ def relative_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float
 
 @torch.inference_mode()
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("decode_gemms.py needs CUDA", file=sys.stderr)
+    args = cuda_script_args(__doc__, __file__, argv)
+    if args is None:
         return 2
     dev = torch.device("cuda")
     torch.manual_seed(0)

@@ -14,9 +14,7 @@ Writes `overlap-probe-cuda-<date>.json` with the commit. Needs CUDA.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import os
 import sys
 import tempfile
 
@@ -25,7 +23,7 @@ import torch.nn.functional as F
 
 import minirt
 from minirt.attention import PagedAttentionMetadata
-from minirt.bench import build_random_qwen3, cuda_seconds, report_header, write_report
+from minirt.bench import build_random_qwen3, cuda_script_args, cuda_seconds, report_header, write_report
 from minirt.fast.cuda_graphs import DecodeGraphs
 
 CONTEXT, BLOCK = 818, 16
@@ -64,11 +62,8 @@ def graph(fn) -> torch.cuda.CUDAGraph:
 
 @torch.inference_mode()
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("overlap_probe.py needs CUDA", file=sys.stderr)
+    args = cuda_script_args(__doc__, __file__, argv)
+    if args is None:
         return 2
     dev = torch.device("cuda")
     report = report_header(dev)

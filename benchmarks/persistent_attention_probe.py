@@ -18,9 +18,7 @@ layer). Needs CUDA.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import os
 import sys
 
 import torch
@@ -28,7 +26,7 @@ import triton
 import triton.language as tl
 
 from minirt.attention import PagedAttentionMetadata, paged_attention_reference
-from minirt.bench import cuda_seconds, make_prompts, report_header, write_report
+from minirt.bench import cuda_graph_seconds, cuda_script_args, make_prompts, report_header, write_report
 from minirt.kernels import num_sms
 from minirt.kernels.paged_attention_triton import _attend_tile, paged_attention_triton
 
@@ -138,20 +136,12 @@ TILES = ((128, 4, 2), (128, 4, 3), (64, 4, 3), (64, 4, 2), (128, 8, 2), (64, 2, 
 
 def graph_us(fn) -> float:
     """us per launch: `fn` (LAYERS launches) captured in a CUDA graph, the median of 15 replays."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return cuda_seconds(g.replay, 15) * 1e6 / LAYERS
+    return cuda_graph_seconds(fn) * 1e6 / LAYERS
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("persistent_attention_probe.py needs CUDA", file=sys.stderr)
+    args = cuda_script_args(__doc__, __file__, argv)
+    if args is None:
         return 2
     dev = torch.device("cuda")
     torch.manual_seed(0)

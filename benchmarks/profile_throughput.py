@@ -22,7 +22,6 @@ Writes `profile-throughput-cuda[-quick]-<date>.json` with the commit measured. N
 
 from __future__ import annotations
 
-import argparse
 import collections
 import datetime
 import functools
@@ -41,6 +40,7 @@ from minirt.bench import (
     WORKLOADS,
     build_random_qwen3,
     copy_bandwidth,
+    cuda_script_args,
     cuda_seconds,
     make_prompts,
     report_header,
@@ -356,13 +356,9 @@ def attention_sweep(device, quick: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--no-sweep", action="store_true")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
-    args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("profile_throughput.py needs CUDA", file=sys.stderr)
+    args = cuda_script_args(__doc__, __file__, argv, (["--quick"], {"action": "store_true"}),
+                            (["--no-sweep"], {"action": "store_true"}))
+    if args is None:
         return 2
     device = torch.device("cuda")
     report = {**report_header(device), "quick": args.quick}

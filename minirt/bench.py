@@ -294,6 +294,32 @@ def cuda_seconds(fn, iters: int = 10) -> float:
     return statistics.median(times)
 
 
+def cuda_graph_seconds(fn, iters: int = 15) -> float:
+    """Median seconds of one replay of `fn` captured in a CUDA graph (`fn` run once before, to compile and warm up;
+    `cuda_seconds` over `iters` replays)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return cuda_seconds(graph.replay, iters)
+
+
+def cuda_script_args(doc: str, script: str, argv: list[str] | None, *extra: tuple) -> argparse.Namespace | None:
+    """The arguments of a CUDA-only benchmark script: `--out` (default: `results/` beside the script) and `extra`,
+    each `(flags, keyword arguments)` of `add_argument`; None, with a line on stderr, where there is no CUDA device
+    (the script then exits with 2)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    for flags, kwargs in extra:
+        parser.add_argument(*flags, **kwargs)
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(script)), "results"))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(f"{os.path.basename(script)} needs CUDA", file=sys.stderr)
+        return None
+    return args
+
+
 def report_header(device: torch.device) -> dict:
     """What every benchmark report starts with: the device, the library versions (`environment`), the commit
     measured (`commit`) and the date."""

@@ -85,6 +85,9 @@ def _gemv_chain_kernel(X, S0, W1, G1, Out1, S1, W2, Out2, W3, G2, Out3, S2, W4, 
                        False, BN4, BK4, 1, False, False, False, False, ".cg")
 
 
+_GRIDS: dict[tuple, int] = {}        # (device, dtype, tiles and flags, pdl, programs_per_sm) -> the launch's grid
+
+
 class ChainOutputs(NamedTuple):
     """The four products and the two residual streams of `gemv_chain`, each `[1, n]`."""
 
@@ -166,10 +169,13 @@ def gemv_chain(x: torch.Tensor, weights, norm_weights, residual: torch.Tensor | 
         for phase in range(4):
             _gemv_chain_kernel[(1,)](*args, PHASE=phase, PDL=False, **common)
     else:
-        compiled = _gemv_chain_kernel.warmup(*args, PHASE=-1, PDL=pdl, grid=(1,), **common)
-        if hasattr(compiled, "_init_handles"):
-            compiled._init_handles()       # loads the binary: its register count is known from here
-        grid = num_sms(dev) * resident_programs(compiled, dev, programs_per_sm)
+        key = (dev, dtype, tuple(sorted(common.items())), pdl, programs_per_sm)
+        if key not in _GRIDS:              # compile once per variant and ask its resources; the grid then stays
+            compiled = _gemv_chain_kernel.warmup(*args, PHASE=-1, PDL=pdl, grid=(1,), **common)
+            if hasattr(compiled, "_init_handles"):
+                compiled._init_handles()   # loads the binary: its register count is known from here
+            _GRIDS[key] = num_sms(dev) * resident_programs(compiled, dev, programs_per_sm)
+        grid = _GRIDS[key]
         launch = {"launch_pdl": True} if pdl else {}
         _gemv_chain_kernel[(grid,)](*args, PHASE=-1, PDL=pdl, **common, **launch)
     return ChainOutputs(out1, s1, out2, out3, s2, out4)
