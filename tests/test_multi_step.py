@@ -254,3 +254,39 @@ def test_multi_step_through_cuda_graphs(tiny_model_path):
     for p, o, n in zip(prompts, outs, ns):
         assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}, n={n}"
     assert 8 in bursts
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_taking_a_bursts_tokens_does_not_wait_for_the_next_burst(tiny_model_path):
+    """Overlap scheduling launches the next burst before it takes the tokens of the one in flight: taking them must
+    wait for that burst only, so that the host's work on them runs while the GPU runs the next. Here the GPU is
+    kept busy for about a second (`torch.cuda._sleep`) right after the first burst launched from the one before;
+    `finish_decode_steps` of the one before must return while the sleep still runs (an event after it not yet
+    reached). A read of the tokens queued when they are taken would come after the sleep and fail this."""
+    llm = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=4,
+                     num_kv_blocks=256)
+    assert llm.engine.plan.overlap_scheduling
+    runner = llm.engine.model_runner
+    cont, finish = runner.continue_decode_steps, runner.finish_decode_steps
+    busy, seen = [], []
+
+    def continuing(burst, num_steps):
+        after = cont(burst, num_steps)
+        if not busy:
+            torch.cuda._sleep(2_000_000_000)                      # ~1 s of GPU cycles behind the next burst
+            busy.append(torch.cuda.Event())
+            busy[0].record()
+        return after
+
+    def finishing(burst):
+        out = finish(burst)
+        if busy and not seen:
+            seen.append(busy[0].query())                          # False: the sleep is still running
+        return out
+
+    runner.continue_decode_steps, runner.finish_decode_steps = continuing, finishing
+    prompts = random_prompts(31, [6, 3, 9])
+    outs = llm.generate(prompts, [greedy(30)] * 3)
+    for p, o in zip(prompts, outs):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, 30)
+    assert seen == [False], "taking the burst's tokens waited for the work launched after it"

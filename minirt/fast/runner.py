@@ -115,6 +115,7 @@ class FastModelRunner(ModelRunner):
         burst.sample = self._sampler(requests)                            # once per burst
         burst.tokens.append(burst.sample(hidden))
         self._more_steps(burst, burst.tokens[-1], num_steps - 1)
+        self._read_back(burst)
         return burst
 
     @torch.inference_mode()
@@ -130,11 +131,29 @@ class FastModelRunner(ModelRunner):
             tables = self._block_tables(burst.requests, burst.meta.max_context_len + num_steps)
             burst.meta.block_tables = after.inputs[4] = tables
         self._more_steps(after, burst.tokens[-1], num_steps)
+        self._read_back(after)
         return after
 
     def finish_decode_steps(self, burst: "DecodeBurst") -> tuple[list[Request], list[list[int]]]:
-        """The burst's requests and their tokens, `[num_steps][num_requests]` (waits for the GPU)."""
-        return burst.requests, torch.stack(burst.tokens).tolist()
+        """The burst's requests and their tokens, `[num_steps][num_requests]`: waits for the GPU to have run the
+        burst, not what was launched after it."""
+        if burst.copied is not None:
+            burst.copied.synchronize()
+        return burst.requests, burst.host_tokens.tolist()
+
+    def _read_back(self, burst: "DecodeBurst") -> None:
+        """Queue the copy of the burst's tokens to the host right behind its last step, before anything launched
+        after it (overlap scheduling's next burst): `finish_decode_steps` then waits for this burst alone, and the
+        host takes its tokens while the GPU runs the next one. A copy queued only when the tokens are read would
+        wait for the next burst as well, and the GPU would sit idle while the host takes them."""
+        tokens = torch.stack(burst.tokens)
+        if self.device.type != "cuda":
+            burst.host_tokens = tokens
+            return
+        burst.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        burst.host_tokens.copy_(tokens, non_blocking=True)
+        burst.copied = torch.cuda.Event()
+        burst.copied.record(torch.cuda.current_stream(self.device))
 
     def _block_tables(self, requests: list[Request], max_context_len: int) -> torch.Tensor:
         """The requests' block tables on the device, padded to the blocks of `max_context_len` tokens."""
@@ -168,8 +187,9 @@ class FastModelRunner(ModelRunner):
 class DecodeBurst:
     """Decode steps launched and not yet read: the requests, one `[num_requests]` token tensor per step (on the
     device), the device inputs the steps advance (input ids, positions, slot mapping, context lengths, block
-    tables), the forward that runs one more step on them, the eager path's metadata (None for CUDA graphs), and
-    the sampler."""
+    tables), the forward that runs one more step on them, the eager path's metadata (None for CUDA graphs), the
+    sampler, and once every step is launched, the tokens' copy on the host `[num_steps, num_requests]` and an event
+    after the copy (None off CUDA, where the copy is the tokens themselves)."""
 
     requests: list[Request]
     inputs: list
@@ -177,6 +197,8 @@ class DecodeBurst:
     meta: object = None
     sample: Callable | None = None
     tokens: list[torch.Tensor] = field(default_factory=list)
+    host_tokens: torch.Tensor | None = None
+    copied: torch.cuda.Event | None = None
 
 
 def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
