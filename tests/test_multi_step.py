@@ -77,6 +77,55 @@ def test_multi_step_equals_transformers(tiny_model_path, how, overlap):
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_advance_decode_inputs_against_a_loop(compiled):
+    """`advance_decode_inputs`, eager and compiled as the runner runs it with fused ops (`minirt.fast.ops.fused`),
+    against a Python loop over the rows; on views of larger buffers, as a decode graph's static inputs are, and
+    for several steps in a row (each step's tokens new, the slots looked up in the block tables)."""
+    from minirt.fast.ops import fused
+    from minirt.fast.runner import advance_decode_inputs
+
+    advance = fused(advance_decode_inputs) if compiled else advance_decode_inputs
+    rng, B, W = random.Random(4), 4, 9
+    for n in (1, 3, 37):
+        tables = [[rng.randrange(500) for _ in range(W)] for _ in range(40)]
+        pos = [rng.randrange(B * W - 4) for _ in range(40)]
+        state = {"ids": [0] * 40, "pos": pos, "ctx": [p + 1 for p in pos], "slots": [0] * 40}
+        dev = {k: torch.tensor(v) for k, v in state.items()}
+        views = [dev["ids"][:n], dev["pos"][:n], dev["slots"][:n], dev["ctx"][:n], torch.tensor(tables)[:n]]
+        for _ in range(3):
+            nxt = [rng.randrange(1000) for _ in range(n)]
+            advance(torch.tensor(nxt), *views, B)
+            for s in range(n):
+                state["ids"][s] = nxt[s]
+                state["pos"][s] += 1
+                state["ctx"][s] += 1
+                p = state["pos"][s]
+                state["slots"][s] = tables[s][p // B] * B + p % B
+            for k in state:
+                assert dev[k].tolist() == state[k], (n, k)        # rows past n untouched too
+
+
+def test_bursts_with_the_compiled_advance_equal_transformers(tiny_model_path):
+    """With fused ops the runner moves a burst's inputs on with the compiled `advance_decode_inputs`."""
+    from minirt.fast.runner import advance_decode_inputs
+
+    llm = build(tiny_model_path, "eager", 4, max_num_seqs=8, fused_ops=True)
+    runner = llm.engine.model_runner
+    compiled, calls = runner.advance, []
+    assert compiled is not advance_decode_inputs
+    runner.advance = lambda *args: calls.append(len(args[0])) or compiled(*args)
+    bursts = spy_on_bursts(llm)
+    prompts = random_prompts(23, [3, 8, 5])
+    outs = llm.generate(prompts, [greedy(n) for n in (9, 12, 6)])
+    for p, o, n in zip(prompts, outs, (9, 12, 6)):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, n)
+    assert bursts and max(bursts) == 4, bursts
+    # every step of a burst but the first of one started afresh (a continued burst's first comes from the last's)
+    assert len(calls) == sum(bursts) - (len(bursts) - len(bursts.continued)), (calls, bursts, bursts.continued)
+    assert build(tiny_model_path, "eager", 4, max_num_seqs=8).engine.model_runner.advance is advance_decode_inputs
+
+
 @OVERLAP
 @pytest.mark.parametrize("how", ["eager", "static buffers"])
 def test_a_stop_part_way_through_a_burst(tiny_models, how, overlap):

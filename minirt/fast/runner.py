@@ -29,12 +29,14 @@ class FastModelRunner(ModelRunner):
     `decode_graphs` is given (a `DecodeGraphs`), replay a CUDA graph for steps in which every sequence has one
     new token, and where `piecewise_graphs` is given (a `PiecewiseGraphs`), replay the pieces of the other steps up
     to its largest size, attention launched between them; `execute_decode_steps` runs several decode steps back to
-    back."""
+    back, moving their inputs on with `advance` (`advance_decode_inputs`' contract; that function if None)."""
 
     def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int, kernel, store,
-                 decode_graphs: DecodeGraphs | None = None, piecewise_graphs: PiecewiseGraphs | None = None):
+                 decode_graphs: DecodeGraphs | None = None, piecewise_graphs: PiecewiseGraphs | None = None,
+                 advance: Callable | None = None):
         super().__init__(model, kv_cache, block_size)
         self.kernel, self.store = kernel, store
+        self.advance = advance or advance_decode_inputs   # a burst's inputs from step to step (its contract)
         self.staging = InputStaging(self.device, block_size)
         self.decode_graphs, self.piecewise_graphs = decode_graphs, piecewise_graphs
 
@@ -178,7 +180,7 @@ class FastModelRunner(ModelRunner):
     def _more_steps(self, burst: "DecodeBurst", last: torch.Tensor, num_steps: int) -> None:
         """Launch `num_steps` steps of `burst`, the first one's inputs made from the tokens `last`."""
         for _ in range(num_steps):
-            advance_decode_inputs(last, *burst.inputs, self.block_size)
+            self.advance(last, *burst.inputs, self.block_size)
             last = burst.sample(burst.forward())
             burst.tokens.append(last)
 
@@ -209,7 +211,9 @@ def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, posit
     next_ids, input_ids, positions, slot_mapping, context_lens `[num_seqs]` int64; block_tables
     `[num_seqs, max_blocks]`, which must already hold the blocks of the next positions. The sampled tokens
     become the inputs, positions and context lengths move on by one, and each slot is looked up in the block
-    table on the device: `block_tables[s, p // block_size] * block_size + p % block_size`.
+    table on the device: `block_tables[s, p // block_size] * block_size + p % block_size`. Eagerly these are nine
+    small kernels for every step of a burst; where the plan fuses ops, the runner runs this function compiled
+    (`minirt.fast.ops.fused`): one kernel.
     """
     input_ids.copy_(next_ids)
     positions.add_(1)
@@ -240,7 +244,8 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
     For the reference plan, chapter 05's `ModelRunner` over the model as loaded. Otherwise the plan's fast modules
     are swapped into the model (`speed_up_model`), and a `FastModelRunner` gets the plan's attention kernels and,
     with CUDA graphs, one more KV block than the pool hands out: the scratch block padding rows write to; with
-    piecewise graphs, pieces for steps of up to `min(max_num_batched_tokens, MAX_TOKENS)` tokens.
+    piecewise graphs, pieces for steps of up to `min(max_num_batched_tokens, MAX_TOKENS)` tokens; with fused ops
+    and bursts, `advance_decode_inputs` compiled.
     """
     if tensor_parallel_size > 1:
         from minirt.parallel import build_tensor_parallel_runner
@@ -259,4 +264,9 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
     if plan.piecewise_graphs:
         pieces = PiecewiseGraphs(model, kv_cache, kernel, store, min(max_num_batched_tokens, MAX_TOKENS),
                                  scratch_block=num_kv_blocks)
-    return FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces)
+    advance = None
+    if plan.fused_ops and plan.num_scheduler_steps > 1:
+        from minirt.fast.ops import fused
+
+        advance = fused(advance_decode_inputs)
+    return FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces, advance)
