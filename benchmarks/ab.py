@@ -25,7 +25,7 @@ import torch
 
 import minirt
 from minirt.config import EngineConfig
-from minirt.bench import build_random_qwen3, environment, make_prompts, run_minirt, write_report
+from minirt.bench import build_random_qwen3, make_prompts, report_header, run_minirt, write_report
 from minirt.metrics import format_table
 
 DEFAULT_CONFIGS = ["neither:kv_write_in_rotary=off,combine_in_attention=off",
@@ -120,8 +120,7 @@ def report_tpot(tpot: dict, settings: dict, rounds: int, device: torch.device, o
     rows = [[name, statistics.median(v) * 1e3, min(v) * 1e3, statistics.median(v) / first,
              " ".join(f"{x * 1e3:.3f}" for x in v)] for name, v in tpot.items()]
     print(format_table(["setting", "TPOT median ms", "min ms", "x first", "every run (ms)"], rows))
-    dev, versions = environment(device)
-    report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+    report = {**report_header(device),
               "workload": {"prompt_len": 512, "new_tokens": 256, "rounds": rounds},
               "settings": settings, "tpot_s": tpot,
               "tpot_median_s": {name: statistics.median(v) for name, v in tpot.items()}}

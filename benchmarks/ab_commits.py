@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     import torch
 
-    from minirt.bench import build_random_qwen3, environment, write_report
+    from minirt.bench import build_random_qwen3, report_header, write_report
 
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device", file=sys.stderr)
@@ -114,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for key in base:
         print(f"{key:32s} " + " ".join(f"{medians[n][key]:12.5g}" for n in names) + "  " +
               " ".join(f"{ratios[n][key]:{len(n) + len(names[0]) + 3}.3f}" for n in names[1:]))
-    dev, versions = environment(torch.device("cuda"))
-    report = {"note": args.note, "device": dev, "versions": versions,
-              "date": datetime.datetime.now().isoformat(timespec="seconds"), "trees": trees, "rounds": args.rounds,
+    report = {"note": args.note, **report_header(torch.device("cuda")), "trees": trees, "rounds": args.rounds,
               "quick": args.quick, "workloads": workloads, "repeats": args.repeats, "order": "ABBA...", "runs": runs,
               "medians": medians, "ratios": ratios}
     write_report(report, args.out, "-".join(p for p in ("ab-commits", "cuda", "quick" if args.quick else "",

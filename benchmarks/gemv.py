@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minirt.bench import copy_bandwidth, environment, write_report  # noqa: E402
+from minirt.bench import copy_bandwidth, report_header, write_report  # noqa: E402
 
 G = None        # minirt.kernels.gemv_triton, imported in main() once CUDA (and so Triton) is known to be there
 
@@ -253,8 +253,7 @@ def chain_sweep(out_dir: str) -> None:
             report["one_at_a_time"][name] = {"default": tuple(default), "results": results}
             print(f"{name}: default {tuple(default)}; fastest "
                   + ", ".join(f"{cfg} {us:.2f}" for us, cfg in results[:4]), flush=True)
-    dev, versions = environment(device)
-    write_report({"device": dev, "versions": versions, **report}, out_dir,
+    write_report({**report_header(device), **report}, out_dir,
                  f"gemv-chain-cuda-{datetime.date.today()}")
 
 
@@ -344,8 +343,7 @@ def main():
     for name, value in epilogue.items():
         print(f"    {value:6.2f} us  {name}" if name.startswith(("cuBLAS", "GEMV")) else f"    {value:.1e}  {name}")
 
-    dev, versions = environment(device)
-    report = dict(device=dev, versions=versions, bandwidth=bandwidth, rows=rows, silu_and_mul=epilogue,
+    report = dict(**report_header(device), bandwidth=bandwidth, rows=rows, silu_and_mul=epilogue,
                   sweep={shape: [dict(us=us, config=cfg, diff=d) for us, cfg, d in res] for shape, res in sweep.items()})
     write_report(report, args.out, f"gemv-cuda{'-quick' if args.quick else ''}-{datetime.date.today()}")
 

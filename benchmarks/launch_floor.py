@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minirt.bench import environment, write_report  # noqa: E402
+from minirt.bench import report_header, write_report  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 GRIDS = (1, 128, 1024)
@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"programs": grid, "pdl": pdl, "us_per_graph": us, "us_per_kernel": us / args.kernels})
             rows.append([grid, "on" if pdl else "off", us, us / args.kernels])
     print(format_table(["programs", "PDL", "us per graph", "us per kernel"], rows))
-    dev, versions = environment(device)
-    write_report({"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-                  "kernels_per_graph": args.kernels, "replays": args.replays, "results": results},
+    write_report({**report_header(device), "kernels_per_graph": args.kernels, "replays": args.replays, "results": results},
                  args.out, f"launch-floor-cuda-{datetime.date.today()}")
     return 0
 

@@ -32,7 +32,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import minirt
-from minirt.bench import bench, build_random_qwen3, environment, free_memory, make_prompts, write_report
+from minirt.bench import bench, build_random_qwen3, free_memory, make_prompts, report_header, write_report
 from minirt.kernels import pdl_missing
 from minirt.metrics import format_table
 
@@ -161,8 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [(label, kwargs) for label, kwargs in chosen if not kwargs.get("pdl")]
         for label in skipped:
             print(f"skipping step {label!r}: programmatic dependent launch needs {' and '.join(missing)}")
-    dev, versions = environment(device)
-    report = {"device": dev, "versions": versions, "date": datetime.datetime.now().isoformat(timespec="seconds")}
+    report = report_header(device)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_random_qwen3(tmp, device, seed=0)
         if args.profile:
