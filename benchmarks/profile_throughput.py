@@ -111,6 +111,9 @@ class Recorder:
         runner = engine.model_runner
         self._step, self._execute, self._forward = engine.step, runner.execute, runner.forward
         engine.step, runner.execute, runner.forward = self.step, self.execute, self.forward
+        self._launch = getattr(runner, "launch_step", None)        # async scheduling's steps (the fast runner)
+        if self._launch is not None:
+            runner.launch_step = self.launch_step
         self._staging = getattr(runner, "staging", None)
         if self._staging is not None:
             self._send = self._staging.send
@@ -123,6 +126,8 @@ class Recorder:
     def close(self):
         runner = self.engine.model_runner
         self.engine.step, runner.execute, runner.forward = self._step, self._execute, self._forward
+        if self._launch is not None:
+            runner.launch_step = self._launch
         if self._staging is not None:
             self._staging.send = self._send
 
@@ -135,20 +140,28 @@ class Recorder:
 
     def execute(self, items):
         """A single step (prefill chunks, or decodes that run no burst): its kind, and CUDA events around it."""
+        return self._single(self._execute, items)
+
+    def launch_step(self, items, previous=None):
+        """A step launched by async scheduling (recorded under the engine step that launched it, whose host time
+        is mostly spent taking the step before): as `execute`, its end event once its tokens are sampled."""
+        return self._single(lambda it: self._launch(it, previous), items)
+
+    def _single(self, run, items):
         self._seen = ("decode" if all(n == 1 for _, n in items) else "prefill", len(items), sum(n for _, n in items))
         self._exec_t0 = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         self._sent = self._forwarded = None
-        result = self._execute(items)
+        result = run(items)
         end.record()
         self._events = (start, end, self._sent, self._forwarded)
         return result
 
-    def forward(self, step):
+    def forward(self, step, fill=None):
         """The forward of a single step; the host's time until it returns (every kernel launched) is recorded, and
         an event after its last kernel."""
-        hidden = self._forward(step)
+        hidden = self._forward(step) if fill is None else self._forward(step, fill)
         self._launched = time.perf_counter() - self._exec_t0
         self._forwarded = torch.cuda.Event(enable_timing=True)
         self._forwarded.record()

@@ -535,6 +535,8 @@ ON_OFF_SWITCHES = (
                            "multi-step decode)"),
     ("piecewise_graphs", "minirt replays steps with prefill chunks as CUDA graphs cut at each attention call (auto: "
                          "with CUDA graphs)"),
+    ("async_scheduling", "minirt launches a step with prefill chunks before taking the tokens of the one before (auto: "
+                         "with CUDA graphs)"),
 )
 
 

@@ -17,7 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 #: Switches that are True, False or None (None: on where the rules of `minirt.fast.plan` say it pays).
 AUTO_SWITCHES = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl",
                  "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling",
-                 "piecewise_graphs")
+                 "piecewise_graphs", "async_scheduling")
 
 
 def _is_int(value) -> bool:
@@ -53,7 +53,8 @@ class EngineConfig:
     l2_prefetch: each one-row GEMV asks the L2 cache for the next GEMV's weights. overlap_scheduling: with
     multi-step decode, the next burst of the same requests is launched before the host takes this one's tokens.
     piecewise_graphs: steps with prefill chunks replay CUDA graphs cut at each attention call, attention launched
-    between the pieces.
+    between the pieces. async_scheduling: a step with prefill chunks is scheduled and launched before the host takes
+    the tokens of the one before (their rows read them on the device).
     """
 
     device: object = None
@@ -82,6 +83,7 @@ class EngineConfig:
     l2_prefetch: bool | None = None
     overlap_scheduling: bool | None = None
     piecewise_graphs: bool | None = None
+    async_scheduling: bool | None = None
     # chapter 09: processes the model is sharded over (`minirt.parallel`; 1: this process only)
     tensor_parallel_size: int = 1
 

@@ -161,6 +161,33 @@ def hf_greedy_fn():
     return hf_greedy
 
 
+def hold_the_gpu_after(runner, launch: str, take: str, when=lambda *args: True) -> list:
+    """Wrap `runner.<launch>` and `runner.<take>` (CUDA only): after the first launch for which `when(*args)` holds,
+    keep the GPU busy for about a second (`torch.cuda._sleep`); the first take after it records whether the sleep
+    had finished by the time it returned. Returns that record: `[False]` means the take did not wait for the work
+    launched after the step it read (overlap works), `[True]` that it did, `[]` that nothing was held."""
+    launch_fn, take_fn = getattr(runner, launch), getattr(runner, take)
+    held, seen = [], []
+
+    def launching(*args, **kw):
+        out = launch_fn(*args, **kw)
+        if not held and when(*args, **kw):
+            torch.cuda._sleep(2_000_000_000)                      # ~1 s of GPU cycles behind what was launched
+            held.append(torch.cuda.Event())
+            held[0].record()
+        return out
+
+    def taking(*args):
+        out = take_fn(*args)
+        if held and not seen:
+            seen.append(held[0].query())
+        return out
+
+    setattr(runner, launch, launching)
+    setattr(runner, take, taking)
+    return seen
+
+
 def random_prompts(seed: int, lengths, vocab: int = VOCAB) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]

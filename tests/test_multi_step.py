@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import minirt
-from conftest import hf_greedy, random_prompts
+from conftest import hf_greedy, hold_the_gpu_after, random_prompts
 from test_cuda_graphs import padded_engine
 
 KW = dict(device="cpu", dtype=torch.float32, block_size=4)
@@ -315,25 +315,7 @@ def test_taking_a_bursts_tokens_does_not_wait_for_the_next_burst(tiny_model_path
     llm = minirt.LLM(model=tiny_model_path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=4,
                      num_kv_blocks=256)
     assert llm.engine.plan.overlap_scheduling
-    runner = llm.engine.model_runner
-    cont, finish = runner.continue_decode_steps, runner.finish_decode_steps
-    busy, seen = [], []
-
-    def continuing(burst, num_steps):
-        after = cont(burst, num_steps)
-        if not busy:
-            torch.cuda._sleep(2_000_000_000)                      # ~1 s of GPU cycles behind the next burst
-            busy.append(torch.cuda.Event())
-            busy[0].record()
-        return after
-
-    def finishing(burst):
-        out = finish(burst)
-        if busy and not seen:
-            seen.append(busy[0].query())                          # False: the sleep is still running
-        return out
-
-    runner.continue_decode_steps, runner.finish_decode_steps = continuing, finishing
+    seen = hold_the_gpu_after(llm.engine.model_runner, "continue_decode_steps", "finish_decode_steps")
     prompts = random_prompts(31, [6, 3, 9])
     outs = llm.generate(prompts, [greedy(30)] * 3)
     for p, o in zip(prompts, outs):

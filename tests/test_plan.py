@@ -14,7 +14,8 @@ from minirt.config import EngineConfig
 from minirt.fast import Hardware, Plan, resolve_plan
 
 ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
-          "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling", "piecewise_graphs")
+          "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling", "piecewise_graphs",
+          "async_scheduling")
 #: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
 #: (cuda_graphs needs the Triton kernel or flash-attn's: `expected` below)
 NEEDS = {"split_kv": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
@@ -74,6 +75,7 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     if asked["piecewise_graphs"] is True and not on["cuda_graphs"]:
         return "piecewise_graphs"
     on["piecewise_graphs"] = on["cuda_graphs"] if asked["piecewise_graphs"] is None else asked["piecewise_graphs"]
+    on["async_scheduling"] = on["cuda_graphs"] if asked["async_scheduling"] is None else asked["async_scheduling"]
     return on
 
 
@@ -106,7 +108,8 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
     assert plan == Plan(attention_backend="triton", split_kv=True, cuda_graphs=True, fused_ops=True,
                         merge_projections=True, gemv=True, num_scheduler_steps=8, norm_in_gemv=True,
                         rotary_kernel=True, pdl=True, kv_write_in_rotary=True, combine_in_attention=False,
-                        prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True, piecewise_graphs=True)
+                        prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True, piecewise_graphs=True,
+                        async_scheduling=True)
     with pytest.raises(Exception):
         plan.gemv = False                                       # frozen: what runs is what the plan says
 

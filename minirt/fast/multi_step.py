@@ -77,15 +77,25 @@ def decode_steps_after(scheduler: Scheduler, batch, in_flight: int, max_steps: i
 def build_step(engine):
     """The engine's step: `Engine.step` where the plan runs single steps, else a step that runs a burst of up to
     `plan.num_scheduler_steps` decode steps whenever it can (with the runner's `execute_decode_steps`,
-    `minirt.fast.runner.FastModelRunner`) and a single `Engine.step` otherwise."""
+    `minirt.fast.runner.FastModelRunner`) and a single `Engine.step` otherwise. With the plan's
+    `async_scheduling`, the single steps are `minirt.fast.async_scheduling.AsyncSteps.step`, and a burst waits for
+    the single step in flight to be taken first."""
     max_steps = engine.plan.num_scheduler_steps
     single_step = type(engine).step.__get__(engine)     # the class's, even where an engine's step was swapped
+    busy = lambda: False                                 # noqa: E731 - a single step in flight
+    if engine.plan.async_scheduling:
+        from minirt.fast.async_scheduling import AsyncSteps
+
+        steps = AsyncSteps(engine)
+        single_step, busy = steps.step, lambda: steps.busy
     if max_steps == 1:
         return single_step
     if engine.plan.overlap_scheduling:
-        return _overlapped_step(engine, max_steps, single_step)
+        return _overlapped_step(engine, max_steps, single_step, busy)
 
     def multi_step() -> bool:
+        if busy():
+            return single_step()
         num_steps = decode_steps_ahead(engine.scheduler, max_steps)
         if num_steps == 1:
             return single_step()
@@ -107,7 +117,7 @@ def take_tokens(engine, batch, requests, token_steps: list[list[int]]) -> None:
     engine.end_step(batch)
 
 
-def _overlapped_step(engine, max_steps: int, single_step):
+def _overlapped_step(engine, max_steps: int, single_step, busy):
     """`build_step`'s multi-step decode with overlap scheduling (see the module docstring): a burst is launched
     and left in flight; each step launches the burst after it where `decode_steps_after` allows, then takes the
     tokens of the one in flight. The runner's `start_decode_steps`, `continue_decode_steps` and
@@ -117,6 +127,8 @@ def _overlapped_step(engine, max_steps: int, single_step):
     def overlapped_step() -> bool:
         nonlocal in_flight
         runner = engine.model_runner
+        if in_flight is None and busy():
+            return single_step()
         try:
             if in_flight is None:
                 num_steps = decode_steps_ahead(engine.scheduler, max_steps)

@@ -79,6 +79,7 @@ class Plan:
     l2_prefetch: bool = False
     overlap_scheduling: bool = False
     piecewise_graphs: bool = False
+    async_scheduling: bool = False
 
     @property
     def is_reference(self) -> bool:
@@ -200,6 +201,8 @@ RULES: tuple[Rule, ...] = (
          "with multi-step decode"),
     Rule("piecewise_graphs", "piecewise CUDA graphs for steps with prefill chunks", lambda r: r.need("cuda_graphs"),
          lambda r: True, "with CUDA graphs"),
+    Rule("async_scheduling", "launching a step with prefill chunks before taking the tokens of the one before",
+         _one_process, _graphs, "with CUDA graphs"),
 )
 RULE_BY_NAME = {rule.name: rule for rule in RULES}
 

@@ -43,14 +43,18 @@ class FastModelRunner(ModelRunner):
     def attention(self, meta) -> KernelPagedAttention:
         return KernelPagedAttention(self.kv_cache, meta, self.kernel, self.store)
 
-    def forward(self, step: StepInputs) -> torch.Tensor:
+    def forward(self, step: StepInputs, fill: Callable | None = None) -> torch.Tensor:
         """Hidden states `[num_sampled, hidden]` of the sampled rows: through a decode graph where there is one for
         the step, else through the piecewise graphs (a step with prefill chunks, `minirt.fast.piecewise_graphs`) up to
-        their largest size, else eagerly; the inputs go in one asynchronous copy (`InputStaging`)."""
-        hidden = self.forward_decode_graph(step)
+        their largest size, else eagerly; the inputs go in one asynchronous copy (`InputStaging`). `fill` (given by
+        `launch_step`, which never takes the decode-graph path) writes tokens the host does not have yet into the
+        device's input ids `[num_tokens]` before the forward reads them."""
+        hidden = self.forward_decode_graph(step) if fill is None else None
         if hidden is not None:
             return hidden
         input_ids, positions, meta, rows = self.staging.send(step)
+        if fill is not None:
+            fill(input_ids[0])
         graphs = self.piecewise_graphs
         if graphs is not None and len(step.input_ids) <= graphs.sizes[-1]:
             hidden = graphs.run(input_ids[0], positions[0], self.attention(meta))
@@ -148,14 +152,60 @@ class FastModelRunner(ModelRunner):
         after it (overlap scheduling's next burst): `finish_decode_steps` then waits for this burst alone, and the
         host takes its tokens while the GPU runs the next one. A copy queued only when the tokens are read would
         wait for the next burst as well, and the GPU would sit idle while the host takes them."""
-        tokens = torch.stack(burst.tokens)
+        burst.host_tokens, burst.copied = self._to_host(torch.stack(burst.tokens))
+
+    def _to_host(self, tokens: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event | None"]:
+        """An asynchronous copy of `tokens` on the host and an event after it (on CUDA; elsewhere the tokens
+        themselves and None)."""
         if self.device.type != "cuda":
-            burst.host_tokens = tokens
-            return
-        burst.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        burst.host_tokens.copy_(tokens, non_blocking=True)
-        burst.copied = torch.cuda.Event()
-        burst.copied.record(torch.cuda.current_stream(self.device))
+            return tokens, None
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(self.device))
+        return host, copied
+
+    @torch.inference_mode()
+    def launch_step(self, items: list[tuple[Request, int]], previous: "StepInFlight | None" = None
+                   ) -> "StepInFlight":
+        """Launch one step (`ModelRunner.execute`'s) and return before the GPU has run it: a `StepInFlight` whose
+        tokens `finish_step` reads. With `previous`, a step launched before and not read yet (async scheduling,
+        `minirt.fast.async_scheduling`), the requests it samples have one token more than their `token_ids` hold:
+        the one `previous` computes. Their rows of this step read it on the device, where `previous` left it.
+
+        The step must not take the decode-graph path (a step with a prefill chunk of 2 or more tokens never does);
+        raises ValueError otherwise."""
+        pending = {} if previous is None else {r: i for i, r in enumerate(previous.requests) if not r.is_finished}
+        for request in pending:
+            request.token_ids.append(0)          # a stand-in for the token `previous` computes, replaced on device
+        try:
+            step = self.prepare_lists(items)
+            rows, sources = [], []
+            for (request, n), start in zip(items, step.query_start_loc):
+                last = len(request.token_ids) - 1
+                if request in pending and request.num_computed_tokens <= last < request.num_computed_tokens + n:
+                    rows.append(start + last - request.num_computed_tokens)
+                    sources.append(pending[request])
+        finally:
+            for request in pending:
+                request.token_ids.pop()
+        if step.max_query_len < 2:
+            raise ValueError("launch_step: a step of one-token rows goes through the decode graphs; use execute")
+        fill = None
+        if rows:
+            index = torch.tensor([rows, sources])
+            index = index.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else index
+            fill = functools.partial(_fill_rows, index, previous.tokens)
+        hidden = self.forward(step, fill)
+        requests = step.sample_requests
+        tokens = self.sample(hidden, requests) if requests else torch.empty(0, dtype=torch.long, device=self.device)
+        return StepInFlight(requests, tokens, *self._to_host(tokens))
+
+    def finish_step(self, step: "StepInFlight") -> tuple[list[Request], list[int]]:
+        """The step's sampled requests and their tokens (waits for the GPU to have run that step, no more)."""
+        if step.copied is not None:
+            step.copied.synchronize()
+        return step.requests, step.host_tokens.tolist()
 
     def _block_tables(self, requests: list[Request], max_context_len: int) -> torch.Tensor:
         """The requests' block tables on the device, padded to the blocks of `max_context_len` tokens."""
@@ -201,6 +251,22 @@ class DecodeBurst:
     tokens: list[torch.Tensor] = field(default_factory=list)
     host_tokens: torch.Tensor | None = None
     copied: torch.cuda.Event | None = None
+
+
+def _fill_rows(index: torch.Tensor, tokens: torch.Tensor, input_ids: torch.Tensor) -> None:
+    """`input_ids[index[0][i]] = tokens[index[1][i]]` for every i, on the device."""
+    input_ids[index[0]] = tokens[index[1]]
+
+
+@dataclass
+class StepInFlight:
+    """A step launched and not yet read (`FastModelRunner.launch_step`): its sampled requests, their tokens on the
+    device `[num_sampled]`, the tokens' copy on the host and an event after the copy (None off CUDA)."""
+
+    requests: list[Request]
+    tokens: torch.Tensor
+    host_tokens: torch.Tensor
+    copied: object = None
 
 
 def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
