@@ -536,7 +536,7 @@ ON_OFF_SWITCHES = (
     ("piecewise_graphs", "minirt replays steps with prefill chunks as CUDA graphs cut at each attention call (auto: "
                          "with CUDA graphs)"),
     ("async_scheduling", "minirt launches a step with prefill chunks before taking the tokens of the one before (auto: "
-                         "with CUDA graphs)"),
+                         "off)"),
 )
 
 
