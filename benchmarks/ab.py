@@ -24,41 +24,13 @@ import tempfile
 import torch
 
 import minirt
-from minirt.config import EngineConfig
-from minirt.bench import build_random_qwen3, make_prompts, report_header, run_minirt, write_report
+from minirt.bench import build_random_qwen3, make_prompts, parse_engine_settings, report_header, run_minirt, write_report
 from minirt.metrics import format_table
 
 DEFAULT_CONFIGS = ["neither:kv_write_in_rotary=off,combine_in_attention=off",
                    "kv_write_in_rotary:kv_write_in_rotary=on,combine_in_attention=off",
                    "combine_in_attention:kv_write_in_rotary=off,combine_in_attention=on",
                    "both:kv_write_in_rotary=on,combine_in_attention=on"]
-_VALUES = {"on": True, "off": False, "auto": None}
-
-
-def parse_config(text: str) -> tuple[str, dict]:
-    """"NAME:field=value,field=value" -> (NAME, {field: value}) for `minirt.LLM`; values on/off/auto or an integer.
-    Raises ValueError naming the text, or the field (checked by `minirt.config.EngineConfig`), for anything else."""
-    name, sep, fields = text.partition(":")
-    if not name or not sep:
-        raise ValueError(f"--config: expected NAME:field=value,..., got {text!r}")
-    kwargs = {}
-    for item in filter(None, fields.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key:
-            raise ValueError(f"--config: expected field=value in {text!r}, got {item!r}")
-        if value in _VALUES:
-            kwargs[key] = _VALUES[value]
-        elif value.lstrip("-").isdigit():
-            kwargs[key] = int(value)
-        else:
-            raise ValueError(f"--config: {key}'s value must be on, off, auto or an integer, got {value!r}")
-    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
-    if unknown:
-        raise ValueError(f"--config: unknown engine fields {sorted(unknown)} in {text!r}")
-    EngineConfig(**kwargs)                 # the values: raises ValueError naming the field
-    return name, kwargs
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", action="append", default=None, help="NAME:field=value,... (repeat; "
@@ -68,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
     args = parser.parse_args(argv)
     try:
-        configs = dict(parse_config(c) for c in args.config or DEFAULT_CONFIGS)
+        configs = dict(parse_engine_settings(c) for c in args.config or DEFAULT_CONFIGS)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,6 +43,7 @@ from minirt.bench import (
     cuda_script_args,
     cuda_seconds,
     make_prompts,
+    parse_engine_settings,
     report_header,
     run_minirt,
     write_report,
@@ -370,16 +371,23 @@ def attention_sweep(device, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (["--quick"], {"action": "store_true"}),
-                            (["--no-sweep"], {"action": "store_true"}))
+                            (["--no-sweep"], {"action": "store_true"}),
+                            (["--settings"], {"default": "", "metavar": "field=value,...",
+                                              "help": "engine settings instead of the defaults (ab.py's syntax)"}))
     if args is None:
         return 2
+    try:
+        _, settings = parse_engine_settings("profile:" + args.settings, "--settings")
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     device = torch.device("cuda")
-    report = {**report_header(device), "quick": args.quick}
+    report = {**report_header(device), "quick": args.quick, "settings": settings}
     report["machine"] = m = machine(device)
     n_req, lengths, n = WORKLOADS["cuda", args.quick]["throughput"]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_random_qwen3(tmp, device, 0)
-        llm = minirt.LLM(path, device=device, dtype=torch.bfloat16)
+        llm = minirt.LLM(path, device=device, dtype=torch.bfloat16, **settings)
         engine = llm.engine
         cfg = engine.model.config
         params = sum(p.numel() for p in engine.model.parameters())

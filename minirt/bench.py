@@ -320,6 +320,33 @@ def cuda_script_args(doc: str, script: str, argv: list[str] | None, *extra: tupl
     return args
 
 
+_SETTING_VALUES = {"on": True, "off": False, "auto": None}
+
+
+def parse_engine_settings(text: str, flag: str = "--config") -> tuple[str, dict]:
+    """"NAME:field=value,field=value" -> (NAME, {field: value}) for `minirt.LLM`; values on/off/auto or an integer.
+    Raises ValueError naming the text, or the field (checked by `minirt.config.EngineConfig`), for anything else."""
+    name, sep, fields = text.partition(":")
+    if not name or not sep:
+        raise ValueError(f"{flag}: expected NAME:field=value,..., got {text!r}")
+    kwargs = {}
+    for item in filter(None, fields.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"{flag}: expected field=value in {text!r}, got {item!r}")
+        if value in _SETTING_VALUES:
+            kwargs[key] = _SETTING_VALUES[value]
+        elif value.lstrip("-").isdigit():
+            kwargs[key] = int(value)
+        else:
+            raise ValueError(f"{flag}: {key}'s value must be on, off, auto or an integer, got {value!r}")
+    unknown = set(kwargs) - set(EngineConfig.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"{flag}: unknown engine fields {sorted(unknown)} in {text!r}")
+    EngineConfig(**kwargs)                 # the values: raises ValueError naming the field
+    return name, kwargs
+
+
 def report_header(device: torch.device) -> dict:
     """What every benchmark report starts with: the device, the library versions (`environment`), the commit
     measured (`commit`) and the date."""

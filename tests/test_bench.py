@@ -134,10 +134,12 @@ def test_optimizations_script_names_a_bad_step(steps, capsys):
 def test_ab_benchmark_parses_settings_and_refuses_bad_ones(capsys):
     """benchmarks/ab.py: each --config is NAME:field=value,...; a malformed one, a bad value or a field the engine
     does not know exits 2 with the text named, before any model is built (and, on the CPU, it needs CUDA)."""
+    from minirt.bench import parse_engine_settings
+
     ab = _benchmark_module("ab")
-    assert ab.parse_config("x:kv_write_in_rotary=on,num_scheduler_steps=4,pdl=auto") == (
+    assert parse_engine_settings("x:kv_write_in_rotary=on,num_scheduler_steps=4,pdl=auto") == (
         "x", {"kv_write_in_rotary": True, "num_scheduler_steps": 4, "pdl": None})
-    for name, kwargs in map(ab.parse_config, ab.DEFAULT_CONFIGS):
+    for name, kwargs in map(parse_engine_settings, ab.DEFAULT_CONFIGS):
         assert set(kwargs) == {"kv_write_in_rotary", "combine_in_attention"}
     for bad, words in (("nocolon", "expected NAME:field=value"), ("x:pdl", "expected field=value in 'x:pdl'"),
                        ("x:pdl=maybe", "pdl's value must be on, off, auto or an integer, got 'maybe'"),
@@ -239,6 +241,14 @@ def test_cuda_only_scripts_exit_2_without_cuda(script):
 def test_ab_commits_refuses_bad_arguments(argv, capsys):
     assert _benchmark_module("ab_commits").main(argv) == 2
     assert "--repeats >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("bad,words", [("c:async_scheduling=on", "--settings: 'c' is not a --tree name (a, b)"),
+                                       ("a:warp=on", "--settings: unknown engine fields ['warp']"),
+                                       ("a:pdl=maybe", "--settings: pdl's value must be on, off, auto")])
+def test_ab_commits_refuses_bad_settings_before_running(bad, words, capsys):
+    assert _benchmark_module("ab_commits").main(["--tree", "a=.", "--tree", "b=.", "--settings", bad]) == 2
+    assert words in capsys.readouterr().err
 
 
 def test_profile_throughput_ceiling_counts_every_step_of_every_sequence():
