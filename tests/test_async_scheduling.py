@@ -13,6 +13,7 @@ import torch
 
 import minirt
 from conftest import hf_greedy, hold_the_gpu_after, random_prompts
+from minirt.request import RequestStatus
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
@@ -105,7 +106,10 @@ def test_seeded_sampling_as_without_async_scheduling(tiny_models):
     params = [minirt.SamplingParams(max_new_tokens=10, temperature=t, top_k=k, top_p=p, seed=s, ignore_eos=True)
               for t, k, p, s in [(0.8, 0, 1.0, 1), (1.2, 5, 1.0, 2), (0.0, 0, 1.0, 3), (1.0, 0, 0.9, 4), (0.7, 3, 0.8, 5)]]
     kw = dict(max_num_seqs=5, max_num_batched_tokens=10, max_prefill_chunk=4)
-    got = build(path, **kw).generate(prompts, params)
+    llm = build(path, **kw)
+    counts = spy(llm)
+    got = llm.generate(prompts, params)
+    assert counts["after_one_in_flight"] > 0, counts
     want = minirt.LLM(model=path, device="cpu", dtype=torch.float32, block_size=4, async_scheduling=False, **kw
                       ).generate(prompts, params)
     assert [o.token_ids for o in got] == [o.token_ids for o in want]
@@ -161,6 +165,82 @@ def test_abort_while_a_step_is_in_flight(tiny_models):
     assert outs[0].token_ids == hf_greedy(path, prompts[0], 5) and outs[2].token_ids == hf_greedy(path, prompts[2], 5)
     stats = engine.stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_preempted_and_readmitted_while_its_token_is_in_flight(tiny_models):
+    """Scheduling the next step preempts a request whose token the step in flight samples, and readmits it in the
+    same schedule: its prefill chunk then ends before the token not known yet (no row of it is filled on the
+    device), and it decodes that token in a later step, as without async scheduling."""
+    path = tiny_models["llama"]
+    prompts, ns = random_prompts(25, [5, 8, 9]), [10, 3, 7]
+    llm = build(path, max_num_seqs=4, max_num_batched_tokens=8, max_prefill_chunk=6, num_kv_blocks=4,
+                enable_prefix_caching=False)
+    engine, seen = llm.engine, []
+    launch = engine.model_runner.launch_step
+
+    def launching(items, previous=None):
+        if previous is not None:      # a request the step before samples, prefilling again: preempted, readmitted
+            seen.extend(r.request_id for r, _ in items
+                        if r in previous.requests and r.status == RequestStatus.PREFILLING)
+        return launch(items, previous)
+
+    engine.model_runner.launch_step = launching
+    engine.step_callbacks.append(lambda e, b: e.scheduler.check_invariants())
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    assert seen, "no request was preempted and readmitted while its token was in flight"
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(path, p, n) and o.finish_reason == "length"
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "no-overlap"])
+def test_bursts_wait_for_a_step_in_flight_whose_prefill_was_aborted(tiny_models, overlap):
+    """The only prefilling request is aborted while a step with its chunk is in flight: what is left is decodes
+    alone, which a burst would run from the host's state before the step in flight is accounted and taken; bursts
+    wait for it (`build_step`'s `busy`), and the other requests get transformers' tokens."""
+    path = tiny_models["llama"]
+    prompts = random_prompts(46, [3, 4, 30])
+    llm = build(path, num_scheduler_steps=4, overlap_scheduling=overlap, max_num_batched_tokens=8,
+                max_prefill_chunk=4)
+    engine, launched, aborted = llm.engine, [], []
+    launch = engine.model_runner.launch_step
+
+    def launching(items, previous=None):
+        launched.append({r.request_id: r for r, _ in items})
+        return launch(items, previous)
+
+    def abort_victim(eng, batch):
+        eng.scheduler.check_invariants()
+        victim = (launched[-1] if launched else {}).get("req-2")
+        if not aborted and victim is not None and victim.status == RequestStatus.PREFILLING \
+                and victim.num_computed_tokens >= 8:
+            aborted.append(eng.abort("req-2"))
+
+    engine.model_runner.launch_step = launching
+    engine.step_callbacks.append(abort_victim)
+    outs = llm.generate(prompts, [greedy(n) for n in (20, 20, 5)])
+    assert aborted == [True] and outs[2].finish_reason == "abort"
+    for p, o in zip(prompts[:2], outs[:2]):
+        assert o.token_ids == hf_greedy(path, p, 20)
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+def test_step_snapshots_match_their_own_steps(tiny_models):
+    """`minirt.course.workloads.observe_steps` with async scheduling, where the next step is scheduled before this
+    one ends: each snapshot gets its own step's end and outputs (the requests it scheduled), not the next one's."""
+    from minirt.course.workloads import observe_steps
+
+    path = tiny_models["llama"]
+    llm = build(path, max_num_batched_tokens=8, max_prefill_chunk=4)
+    counts = spy(llm)
+    with observe_steps(llm.engine) as snapshots:
+        llm.generate(random_prompts(1, [12, 9, 10]), [greedy(4)] * 3)
+    assert counts["after_one_in_flight"] > 0, counts
+    assert [s.step for s in snapshots] == list(range(len(snapshots)))
+    for s in snapshots:
+        assert s.end_s > s.start_s and set(s.num_output) == set(s.scheduled), s.step
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

@@ -283,9 +283,13 @@ def observe_steps(engine):
     The end of each step is observed through `engine.step_callbacks`. The collections and the pool are
     read at the moment the scheduler decides (before the step's bookkeeping moves, finishes and frees
     requests), so `engine.scheduler.schedule` is wrapped by an instance attribute that calls the
-    original; the engine's own code runs unchanged, and both hooks are removed on exit.
+    original; the engine's own code runs unchanged, and both hooks are removed on exit. A step's end is
+    matched to its own snapshot (with async scheduling the next step is scheduled before this one ends);
+    a batch scheduled and then never run leaves no snapshot.
     """
     snapshots: list[StepSnapshot] = []
+    by_batch: dict[int, tuple] = {}      # id(batch) -> (batch, its snapshot); the batch kept, so its id stays its own
+    ended: set[int] = set()              # id() of the snapshots whose step ended
     scheduler, pool = engine.scheduler, engine.pool
     t0 = time.perf_counter()
     schedule = scheduler.schedule
@@ -297,7 +301,7 @@ def observe_steps(engine):
             return batch
         admitted = scheduler.prefilling_requests + scheduler.running_requests
         scheduled = {r.request_id: n for r, n in batch.items}
-        snapshots.append(StepSnapshot(
+        snapshots.append(snap := StepSnapshot(
             step=len(snapshots), start_s=start,
             waiting=[r.request_id for r in scheduler.waiting_queue],
             prefilling=[r.request_id for r in scheduler.prefilling_requests],
@@ -309,12 +313,14 @@ def observe_steps(engine):
             cached_blocks=[b.block_id for b in pool.blocks if b.block_hash is not None],
             num_computed={r.request_id: r.num_computed_tokens + scheduled.get(r.request_id, 0) for r in admitted},
             block_size=engine.config.block_size))
+        by_batch[id(batch)] = (batch, snap)
         return batch
 
     def on_step(engine, batch):
         if engine.device.type == "cuda":
             torch.cuda.synchronize(engine.device)
-        snap = snapshots[-1]
+        snap = by_batch[id(batch)][1]      # a burst continued from another ends again under the same batch
+        ended.add(id(snap))
         snap.end_s = time.perf_counter() - t0
         snap.num_output = {r.request_id: r.num_output_tokens for r, _ in batch.items}
         snap.finished = [r.request_id for r, _ in batch.items if r.is_finished]
@@ -326,6 +332,9 @@ def observe_steps(engine):
     finally:
         del scheduler.schedule
         engine.step_callbacks.remove(on_step)
+        snapshots[:] = [s for s in snapshots if id(s) in ended]
+        for i, snap in enumerate(snapshots):
+            snap.step = i
 
 
 async def record_timeline(engine, prompts: list, params, arrival_steps: list[int] | None = None,
