@@ -143,9 +143,7 @@ class FastModelRunner(ModelRunner):
     def finish_decode_steps(self, burst: "DecodeBurst") -> tuple[list[Request], list[list[int]]]:
         """The burst's requests and their tokens, `[num_steps][num_requests]`: waits for the GPU to have run the
         burst, not what was launched after it."""
-        if burst.copied is not None:
-            burst.copied.synchronize()
-        return burst.requests, burst.host_tokens.tolist()
+        return _taken(burst.requests, burst.host_tokens, burst.copied)
 
     def _read_back(self, burst: "DecodeBurst") -> None:
         """Queue the copy of the burst's tokens to the host right behind its last step, before anything launched
@@ -203,9 +201,7 @@ class FastModelRunner(ModelRunner):
 
     def finish_step(self, step: "StepInFlight") -> tuple[list[Request], list[int]]:
         """The step's sampled requests and their tokens (waits for the GPU to have run that step, no more)."""
-        if step.copied is not None:
-            step.copied.synchronize()
-        return step.requests, step.host_tokens.tolist()
+        return _taken(step.requests, step.host_tokens, step.copied)
 
     def _block_tables(self, requests: list[Request], max_context_len: int) -> torch.Tensor:
         """The requests' block tables on the device, padded to the blocks of `max_context_len` tokens."""
@@ -253,6 +249,13 @@ class DecodeBurst:
     copied: torch.cuda.Event | None = None
 
 
+def _taken(requests: list[Request], host_tokens: torch.Tensor, copied) -> tuple[list[Request], list]:
+    """The requests and their tokens as lists, once the tokens' copy to the host (`_to_host`) is done."""
+    if copied is not None:
+        copied.synchronize()
+    return requests, host_tokens.tolist()
+
+
 def _fill_rows(index: torch.Tensor, tokens: torch.Tensor, input_ids: torch.Tensor) -> None:
     """`input_ids[index[0][i]] = tokens[index[1][i]]` for every i, on the device."""
     input_ids[index[0]] = tokens[index[1]]
@@ -266,7 +269,7 @@ class StepInFlight:
     requests: list[Request]
     tokens: torch.Tensor
     host_tokens: torch.Tensor
-    copied: object = None
+    copied: torch.cuda.Event | None = None
 
 
 def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
