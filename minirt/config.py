@@ -17,7 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 #: Switches that are True, False or None (None: on where the rules of `minirt.fast.plan` say it pays).
 AUTO_SWITCHES = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl",
                  "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling",
-                 "piecewise_graphs", "async_scheduling")
+                 "piecewise_graphs", "async_scheduling", "silu_and_mul_kernel")
 
 
 def _is_int(value) -> bool:
@@ -55,6 +55,7 @@ class EngineConfig:
     piecewise_graphs: steps with prefill chunks replay CUDA graphs cut at each attention call, attention launched
     between the pieces. async_scheduling: a step with prefill chunks is scheduled and launched before the host takes
     the tokens of the one before (their rows read them on the device); None keeps it off (measured, see the plan).
+    silu_and_mul_kernel: SwiGLU's SiLU-and-multiply by a Triton kernel (in place of `fused_ops`' compiled one).
     """
 
     device: object = None
@@ -84,6 +85,7 @@ class EngineConfig:
     overlap_scheduling: bool | None = None
     piecewise_graphs: bool | None = None
     async_scheduling: bool | None = None
+    silu_and_mul_kernel: bool | None = None
     # chapter 09: processes the model is sharded over (`minirt.parallel`; 1: this process only)
     tensor_parallel_size: int = 1
 

@@ -15,7 +15,7 @@ from minirt.fast import Hardware, Plan, resolve_plan
 
 ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
           "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling", "piecewise_graphs",
-          "async_scheduling")
+          "async_scheduling", "silu_and_mul_kernel")
 #: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
 #: (cuda_graphs needs the Triton kernel or flash-attn's: `expected` below)
 NEEDS = {"split_kv": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
@@ -41,7 +41,7 @@ def can_run(name: str, hw: Hardware) -> bool:
     """What the machine itself allows each switch (before the switches it needs)."""
     triton, head_dim, pdl = not hw.triton, not hw.head_dim, not hw.pdl
     return {"flash_attn": not hw.flash_attn, "triton": triton and head_dim, "rotary_kernel": triton and head_dim,
-            "gemv": triton,
+            "gemv": triton, "silu_and_mul_kernel": triton,
             "fused_ops": triton or hw.device_type != "cuda",     # Inductor needs Triton for CUDA tensors
             "cuda_graphs": hw.device_type == "cuda", "pdl": pdl, "l2_prefetch": pdl, "prefetch_kv": pdl}.get(name, True)
 
@@ -55,8 +55,10 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     asked["cuda_graphs"] = False if cfg.enforce_eager else None
     on = {}
     order = ["flash_attn", "triton", "split_kv", "cuda_graphs", "fused_ops", "merge_projections", "gemv", "norm_in_gemv",
-             "rotary_kernel", "pdl", "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch"]
+             "rotary_kernel", "pdl", "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch",
+             "silu_and_mul_kernel"]
     auto = {"fused_ops": lambda: hw.device_type == "cuda", "merge_projections": lambda: hw.device_type == "cuda",
+            "silu_and_mul_kernel": lambda: hw.device_type == "cuda",
             "gemv": lambda: on["cuda_graphs"], "rotary_kernel": lambda: on["cuda_graphs"],
             "pdl": lambda: on["cuda_graphs"], "combine_in_attention": lambda: False, "l2_prefetch": lambda: on["pdl"]}
     for name in order:
@@ -109,7 +111,7 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
                         merge_projections=True, gemv=True, num_scheduler_steps=8, norm_in_gemv=True,
                         rotary_kernel=True, pdl=True, kv_write_in_rotary=True, combine_in_attention=False,
                         prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True, piecewise_graphs=True,
-                        async_scheduling=False)
+                        async_scheduling=False, silu_and_mul_kernel=True)
     with pytest.raises(Exception):
         plan.gemv = False                                       # frozen: what runs is what the plan says
 
@@ -120,6 +122,8 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
     ("gemv", True, r"gemv: the Triton matrix-vector kernel needs a CUDA device \(got cpu\)"),
     ("pdl", True, r"pdl: programmatic dependent launch needs a CUDA device \(got cpu\)"),
     ("rotary_kernel", True, r"rotary_kernel: the Triton kernel needs a CUDA device \(got cpu\)"),
+    ("silu_and_mul_kernel", True, r"silu_and_mul_kernel: the Triton SiLU-and-multiply kernel needs a CUDA device "
+                                  r"\(got cpu\)"),
     ("kv_write_in_rotary", True, r"kv_write_in_rotary: the K/V write in the rotary kernel needs rotary_kernel "
                                  r"\(off: needs a CUDA device \(got cpu\)\)"),
     ("combine_in_attention", True, r"combine_in_attention: .* needs attention_backend='triton' \(off: needs a CUDA"),

@@ -4,7 +4,8 @@ The reference model (`minirt.model.decoder`) knows none of this. Here its module
 parameters, by modules that run the same sums with fewer kernels and fewer trips through memory:
 
 * merged projections: one GEMM for q/k/v and one for gate/up (`merge_linears`; vLLM's `QKVParallelLinear`);
-* fused ops: the norms, the q/k norm with the rotation, and SiLU-and-multiply compiled (`fused`);
+* fused ops: the norms, the q/k norm with the rotation, and SiLU-and-multiply compiled (`fused`), or
+  SiLU-and-multiply by a Triton kernel (`silu_and_mul_kernel`);
 * one-row products through a matrix-vector kernel (`GemvLinear`), with SiLU-and-multiply in its epilogue and,
   at batch 1, each layer's norms in its prologue (`NormInGemvLayer`);
 * the q/k norm and rotation in one kernel, optionally writing the K/V cache too (`FastAttention`);
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from minirt.fast.attention import KernelPagedAttention
 from minirt.fast.ops import ModelKernels, fused, model_kernels
 from minirt.model.decoder import DecoderAttention, DecoderLayer, DecoderModel
-from minirt.model.layers import GatedMLP, RMSNorm, add_rms_norm, rms_norm, silu_and_mul
+from minirt.model.layers import GatedMLP, RMSNorm, add_rms_norm, rms_norm
 
 def merge_linears(*linears: nn.Linear) -> nn.Linear:
     """One `nn.Linear` whose output is the outputs of `linears` side by side: one GEMM instead of several.
@@ -128,15 +129,16 @@ class FastAttention(nn.Module):
 
 class FastMLP(nn.Module):
     """`GatedMLP` (the same weights and sums) with merged gate/up, the plan's projection kernel, and
-    SiLU-and-multiply compiled (`fused`) or, for one row through a GEMV, in the GEMV's epilogue."""
+    SiLU-and-multiply by `kernels.silu_and_mul` (compiled, or the Triton kernel) or, for one row through a GEMV, in
+    the GEMV's epilogue."""
 
-    def __init__(self, mlp: GatedMLP, merge: bool, fuse: bool, kernels: ModelKernels):
+    def __init__(self, mlp: GatedMLP, merge: bool, kernels: ModelKernels):
         super().__init__()
         self.gate_up_proj = _with_gemv(merge_linears(mlp.gate_proj, mlp.up_proj), kernels) if merge else None
         self.gate_proj, self.up_proj = (None, None) if merge else (_with_gemv(mlp.gate_proj, kernels),
                                                                    _with_gemv(mlp.up_proj, kernels))
         self.down_proj = _with_gemv(mlp.down_proj, kernels)
-        self.act = fused(silu_and_mul) if fuse else silu_and_mul
+        self.act = kernels.silu_and_mul
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         proj = self.gate_up_proj
@@ -196,14 +198,14 @@ def speed_up_model(model: DecoderModel, plan, kernels: ModelKernels | None = Non
     """Swap the plan's fast modules into a loaded reference `model`, in place, once; returns it.
 
     plan: a `minirt.fast.plan.Plan` (its fused_ops, merge_projections, gemv, norm_in_gemv, rotary_kernel,
-    kv_write_in_rotary, l2_prefetch). kernels: the functions to run (None: `model_kernels(plan)`). The parameter
-    names no longer match the checkpoint's afterwards (merged projections): for serving only.
+    kv_write_in_rotary, l2_prefetch, silu_and_mul_kernel). kernels: the functions to run (None: `model_kernels(plan)`).
+    The parameter names no longer match the checkpoint's afterwards (merged projections): for serving only.
     """
     kernels = model_kernels(plan) if kernels is None else kernels
     body = model.model
     for i, layer in enumerate(body.layers):
         layer.self_attn = FastAttention(layer.self_attn, plan.merge_projections, kernels)
-        layer.mlp = FastMLP(layer.mlp, plan.merge_projections, plan.fused_ops, kernels)
+        layer.mlp = FastMLP(layer.mlp, plan.merge_projections, kernels)
         if plan.fused_ops:
             layer.input_layernorm = FusedRMSNorm(layer.input_layernorm)
             layer.post_attention_layernorm = FusedRMSNorm(layer.post_attention_layernorm)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from minirt.attention import store_kv
-from minirt.model.layers import apply_rotary, rms_norm
+from minirt.model.layers import apply_rotary, rms_norm, silu_and_mul
 
 _FUSED: dict = {}
 
@@ -85,18 +85,21 @@ class ModelKernels:
     """The functions the fast modules call. gemv: one-row products (`gemv_reference`'s contract) or None (cuBLAS
     through `F.linear`). rotate: `norm_and_rotate`'s contract. rotate_and_store: `norm_rotate_and_store`'s, or None
     (the attention backend writes K/V). l2_table: weights -> the `l2_prefetch` argument of `gemv`
-    (`minirt.kernels.gemv_triton.l2_prefetch_table`), used where the plan asks for the L2 prefetch."""
+    (`minirt.kernels.gemv_triton.l2_prefetch_table`), used where the plan asks for the L2 prefetch.
+    silu_and_mul: `minirt.model.layers.silu_and_mul`'s contract (gate, up -> silu(gate) * up)."""
 
     gemv: Callable | None = None
     rotate: Callable = norm_and_rotate
     rotate_and_store: Callable | None = None
     l2_table: Callable | None = None
+    silu_and_mul: Callable = silu_and_mul
 
 
 def model_kernels(plan) -> ModelKernels:
     """The kernels a plan asks for: the Triton ones (with PDL where the plan has it), else torch's."""
     gemv = rotate_and_store = l2_table = None
     rotate = fused(norm_and_rotate) if plan.fused_ops else norm_and_rotate
+    act = fused(silu_and_mul) if plan.fused_ops else silu_and_mul
     if plan.gemv:
         from minirt.kernels.gemv_triton import l2_prefetch_table, linear_gemv
 
@@ -108,4 +111,6 @@ def model_kernels(plan) -> ModelKernels:
         rotate = functools.partial(norm_and_rotate_triton, pdl=plan.pdl)
         if plan.kv_write_in_rotary:
             rotate_and_store = functools.partial(norm_rotate_and_store_triton, pdl=plan.pdl)
-    return ModelKernels(gemv, rotate, rotate_and_store, l2_table)
+    if plan.silu_and_mul_kernel:
+        from minirt.kernels.silu_and_mul_triton import silu_and_mul_triton as act
+    return ModelKernels(gemv, rotate, rotate_and_store, l2_table, act)

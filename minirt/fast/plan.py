@@ -80,6 +80,7 @@ class Plan:
     overlap_scheduling: bool = False
     piecewise_graphs: bool = False
     async_scheduling: bool = False
+    silu_and_mul_kernel: bool = False
 
     @property
     def is_reference(self) -> bool:
@@ -205,6 +206,8 @@ RULES: tuple[Rule, ...] = (
     # 0.8 % faster and its TTFT p50 13 % slower, not explained yet.
     Rule("async_scheduling", "launching a step with prefill chunks before taking the tokens of the one before",
          _one_process, lambda r: False, "off (asked for by name only, until its TTFT cost is understood)"),
+    Rule("silu_and_mul_kernel", "the Triton SiLU-and-multiply kernel", lambda r: list(r.hw.triton), _cuda,
+         "on CUDA where Triton runs"),
 )
 RULE_BY_NAME = {rule.name: rule for rule in RULES}
 
