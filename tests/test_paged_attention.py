@@ -16,12 +16,16 @@ CUDA = torch.cuda.is_available()
 INTERPRETER = TRITON_DEVICE == "cpu"         # the Triton kernels on CPU tensors, through Triton's interpreter
 
 
-def build_case(seed, block_size, num_heads, num_kv_heads, head_dim, dtype, device, num_seqs=6, ctx_range=(1, 90)):
-    """Random sequences, each with a cached prefix and some new tokens, scattered over a shuffled pool."""
+def build_case(seed, block_size, num_heads, num_kv_heads, head_dim, dtype, device, num_seqs=6, ctx_range=(1, 90),
+               lens=None):
+    """Random sequences, each with a cached prefix and some new tokens, scattered over a shuffled pool.
+    lens: (context, new tokens) of each sequence, in place of random ones."""
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     ctx_lens = [rng.randint(*ctx_range) for _ in range(num_seqs)]
     q_lens = [rng.choice([1, 1, rng.randint(1, c)]) for c in ctx_lens]      # decodes and prefill chunks
+    if lens is not None:
+        ctx_lens, q_lens = [c for c, _ in lens], [ql for _, ql in lens]
     num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 5
     free = list(range(num_blocks))
     rng.shuffle(free)
@@ -145,6 +149,30 @@ def test_split_kv_with_several_tiles_per_split_matches_sdpa(decode_only, prefetc
     assert all(-(-k.shape[0] // 2) > 64 for k in ks)                # every split's share is more than one tile
     got = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=2, prefetch_kv=prefetch_kv).float()
     torch.testing.assert_close(got, oracle(ks, vs, qs), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("num_heads,num_kv_heads,chunk_block_m,chunk_tile", [
+    pytest.param(4, 2, None, None, id="group2"), pytest.param(4, 4, None, None, id="group1"),
+    pytest.param(6, 2, None, None, id="group3"), pytest.param(6, 2, 64, (32, 4, 2), id="group3-64-rows-32-keys"),
+    pytest.param(4, 2, None, (128, 8, 2), id="group2-128-keys")])
+def test_prefill_chunks_after_long_prefixes_match_sdpa(num_heads, num_kv_heads, chunk_block_m, chunk_tile):
+    """The chunk launch splits each query tile's key loop: whole key tiles before the tile's first position, which
+    all its rows see, without a mask, then the rest with the causal mask. Chunks of up to 300 tokens after cached
+    prefixes of 0 to 177 keys (block size 16) give query tiles with several unmasked key tiles, diagonals on and off
+    the key tiles' boundaries and last query tiles partly filled (with GQA groups of 3, rows past the last whole
+    token too); two decodes share the step. Each tiling of the chunk launch against the oracle."""
+    from minirt.kernels.paged_attention_triton import CHUNK_BLOCK_M, CHUNK_TILE, paged_attention_triton
+
+    lens = [(337, 300), (171, 171), (90, 1), (250, 1), (200, 23)]    # (context, new tokens)
+    q, k_cache, v_cache, meta, ks, vs, qs = build_case(9, 16, num_heads, num_kv_heads, 16, torch.float32,
+                                                       TRITON_DEVICE, lens=lens)
+    tokens = (chunk_block_m or CHUNK_BLOCK_M) // (num_heads // num_kv_heads)
+    block_n = (chunk_tile or CHUNK_TILE)[0]
+    firsts = [c - ql + t for c, ql in lens if ql > 1 for t in range(0, ql, tokens)]    # query tiles' first positions
+    assert max(firsts) >= 2 * block_n and any(f % block_n for f in firsts) and any(f % block_n == 0 for f in firsts)
+    got = paged_attention_triton(q, k_cache, v_cache, meta, chunk_tile=chunk_tile, chunk_block_m=chunk_block_m)
+    torch.testing.assert_close(got.float(), oracle(ks, vs, qs), atol=2e-5, rtol=2e-5)
 
 
 @pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")

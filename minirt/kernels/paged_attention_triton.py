@@ -38,8 +38,14 @@ def _paged_attention_kernel(
             tl.extra.cuda.gdc_wait()      # every load after the kernel before has finished
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    tile = tl.program_id(2) // NUM_SPLITS
-    split = tl.program_id(2) % NUM_SPLITS
+    if ROWS == 2:
+        # Longest first: a causal chunk's later tiles see the most keys, so they start in the first waves and the
+        # launch ends on short tiles (FlashAttention-2's causal scheduling). The chunk launch never splits.
+        tile = tl.num_programs(2) - 1 - tl.program_id(2)
+        split = 0
+    else:
+        tile = tl.program_id(2) // NUM_SPLITS
+        split = tl.program_id(2) % NUM_SPLITS
     TOKENS: tl.constexpr = BLOCK_M // GROUP           # new tokens per tile
     # With PREFETCH, before the wait only what no kernel of this forward pass writes: the step's metadata and
     # the keys and values of earlier steps (see `paged_attention_triton`, pdl).
@@ -72,40 +78,64 @@ def _paged_attention_kernel(
     share = tl.cdiv(tl.cdiv(last, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * share
     hi = tl.minimum(last, lo + share)
-    start = lo
-    if PREFETCH:
-        # The first BLOCK_N keys: earlier steps' keys and values load before the wait, so that their memory
-        # latency overlaps the kernel before (a decode's whole share when it has up to NUM_SPLITS * BLOCK_N keys);
-        # this step's load after it, in place of the masked-out rows.
-        n = lo + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        block = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
-        kv_row = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        offs = kv_row[:, None] + d[None, :]
-        old = n_ok & (n < first_new)
-        k = tl.load(K + offs, mask=old[:, None], other=0.0)
-        v = tl.load(V + offs, mask=old[:, None], other=0.0)
-        if PDL:
-            tl.extra.cuda.gdc_wait()                      # q and this step's keys are the kernel before's output
+    if ROWS == 2:
+        # A prefill chunk's tile (one split, no prefetch): FlashAttention's causal split of the key loop. Keys before
+        # the tile's first query position are visible to all its rows, so whole tiles of them need no mask; the
+        # rest, up to the tile's last query position, take the masked loop (one or two tiles of keys).
         q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
                     mask=row_ok[:, None], other=0.0)
-        new = n_ok & (n >= first_new)
-        k = tl.where(new[:, None], tl.load(K + offs, mask=new[:, None], other=0.0), k)
-        v = tl.where(new[:, None], tl.load(V + offs, mask=new[:, None], other=0.0), v)
-        m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE)
-        start = lo + BLOCK_N
+        qk_scale = scale * 1.4426950408889634             # log2(e): a base-2 softmax, see _attend_tile_exp2
+        full = (first_new + tile * TOKENS) // BLOCK_N * BLOCK_N
+        for start in range(0, full, BLOCK_N):
+            start = tl.multiple_of(start, BLOCK_N)
+            n = start + tl.arange(0, BLOCK_N)
+            offs = _kv_offsets(block_tables + seq * stride_bt, n, None, kv_head, d, stride_kb, stride_ks, stride_kh,
+                               BLOCK_SIZE)
+            k = tl.load(K + offs)
+            v = tl.load(V + offs)
+            m_i, l_i, acc = _attend_tile_exp2(q, k, v, n, None, q_pos, m_i, l_i, acc, qk_scale, IEEE, False)
+        for start in range(full, hi, BLOCK_N):
+            start = tl.multiple_of(start, BLOCK_N)
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            offs = _kv_offsets(block_tables + seq * stride_bt, n, n_ok, kv_head, d, stride_kb, stride_ks, stride_kh,
+                               BLOCK_SIZE)
+            k = tl.load(K + offs, mask=n_ok[:, None], other=0.0)
+            v = tl.load(V + offs, mask=n_ok[:, None], other=0.0)
+            m_i, l_i, acc = _attend_tile_exp2(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, qk_scale, IEEE, True)
     else:
-        q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                    mask=row_ok[:, None], other=0.0)
-    for start in range(start, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        block = tl.load(block_tables + seq * stride_bt + n // BLOCK_SIZE, mask=n_ok, other=0)
-        kv_row = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
-        offs = kv_row[:, None] + d[None, :]
-        k = tl.load(K + offs, mask=n_ok[:, None], other=0.0)
-        v = tl.load(V + offs, mask=n_ok[:, None], other=0.0)
-        m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE)
+        start = lo
+        if PREFETCH:
+            # The first BLOCK_N keys: earlier steps' keys and values load before the wait, so that their memory
+            # latency overlaps the kernel before (a decode's whole share when it has up to NUM_SPLITS * BLOCK_N keys);
+            # this step's load after it, in place of the masked-out rows.
+            n = lo + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            offs = _kv_offsets(block_tables + seq * stride_bt, n, n_ok, kv_head, d, stride_kb, stride_ks, stride_kh,
+                               BLOCK_SIZE)
+            old = n_ok & (n < first_new)
+            k = tl.load(K + offs, mask=old[:, None], other=0.0)
+            v = tl.load(V + offs, mask=old[:, None], other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()                      # q and this step's keys are the kernel before's output
+            q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+            new = n_ok & (n >= first_new)
+            k = tl.where(new[:, None], tl.load(K + offs, mask=new[:, None], other=0.0), k)
+            v = tl.where(new[:, None], tl.load(V + offs, mask=new[:, None], other=0.0), v)
+            m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE)
+            start = lo + BLOCK_N
+        else:
+            q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                        mask=row_ok[:, None], other=0.0)
+        for start in range(start, hi, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            n_ok = n < hi
+            offs = _kv_offsets(block_tables + seq * stride_bt, n, n_ok, kv_head, d, stride_kb, stride_ks, stride_kh,
+                               BLOCK_SIZE)
+            k = tl.load(K + offs, mask=n_ok[:, None], other=0.0)
+            v = tl.load(V + offs, mask=n_ok[:, None], other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE)
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -122,6 +152,18 @@ def _paged_attention_kernel(
 
 
 @triton.jit
+def _kv_offsets(table, n, n_ok, kv_head, d, stride_kb, stride_ks, stride_kh, BLOCK_SIZE: tl.constexpr):
+    """Offsets `[BLOCK_N, HEAD_DIM]` of keys `n`'s rows for one KV head in the paged K (or V) cache, through `table`,
+    the sequence's row of the block tables; keys outside `n_ok` read block 0 (None: every key is in the table)."""
+    if n_ok is None:
+        block = tl.load(table + n // BLOCK_SIZE)
+    else:
+        block = tl.load(table + n // BLOCK_SIZE, mask=n_ok, other=0)
+    kv_row = block.to(tl.int64) * stride_kb + (n % BLOCK_SIZE) * stride_ks + kv_head * stride_kh
+    return kv_row[:, None] + d[None, :]
+
+
+@triton.jit
 def _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     """One step of the running softmax over the keys `n` (`[BLOCK_N]`; k and v `[BLOCK_N, HEAD_DIM]`, zero where
     masked): a query row sees the keys at or before its position. Returns the new (m_i, l_i, acc)."""
@@ -134,6 +176,34 @@ def _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE: tl.constex
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no visible key yet: no NaN
     p = tl.exp(s - m_use[:, None])
     alpha = tl.exp(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile_exp2(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl.constexpr, MASK: tl.constexpr):
+    """`_attend_tile` in base 2, for prefill chunks: qk_scale is scale * log2(e) and m_i the running maximum of
+    qk_scale * q.k, so exp2(qk_scale * q.k - m_i) is the same weight as exp(scale * q.k - m_i / log2(e)), with the
+    scale and the subtraction in one FMA (FlashAttention-2 and Triton's fused-attention tutorial do the same).
+    l_i and acc do not depend on the base, so the output is the same. MASK False: every key is visible to every
+    row, so there is neither mask nor the guard for a row with no visible key."""
+    if IEEE:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    if MASK:
+        s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no visible key yet: no NaN
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        m_use = m_new
+    p = tl.exp2(s * qk_scale - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
     l_i = l_i * alpha + tl.sum(p, 1)
     if IEEE:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -220,13 +290,16 @@ def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: t
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: PagedAttentionMetadata, num_splits: int | None = None, pdl: bool = False,
-                           split_counters: torch.Tensor | None = None, prefetch_kv: bool = True) -> torch.Tensor:
+                           split_counters: torch.Tensor | None = None, prefetch_kv: bool = True,
+                           chunk_tile: tuple[int, int, int] | None = None,
+                           chunk_block_m: int | None = None) -> torch.Tensor:
     """q `[num_tokens, H, D]`, k/v cache `[num_blocks, block_size, Hkv, D]` -> `[num_tokens, H, D]`.
 
     One launch for a decode batch; a step whose chunks have `CHUNK_MIN_TOKENS` new tokens or more (and no split-KV)
     takes two, one for its one-token sequences and one with larger query tiles (`CHUNK_BLOCK_M` rows) for the
     chunks, so that each K/V tile loaded serves many query rows (FlashAttention's tiling) while decodes keep tiles
-    sized for one token.
+    sized for one token. The chunk launch starts with the chunks' last tiles, which see the most keys, and walks the
+    keys that all of a tile's rows see without a mask (FlashAttention-2's causal scheduling and loop split).
 
     num_splits: programs per (sequence, KV head) that share its keys (a power of two; split-KV, Dao et al.
     2023, "Flash-Decoding for long-context inference"; FlashAttention's `num_splits`). None chooses with
@@ -251,6 +324,9 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     them inside the attention kernel instead (one launch fewer; see `_last_split_combines`). The kernel
     leaves it zeroed again, so one buffer serves every launch on a stream, CUDA graph replays included. Raises
     ValueError naming split_counters if it is too small or not int32 on q's device.
+    chunk_tile, chunk_block_m: the chunk launch's (BLOCK_N, num_warps, num_stages) and query rows per tile, in place
+    of `CHUNK_TILE` and `CHUNK_BLOCK_M` (None; rows a power of two), so that a benchmark can compare tilings in
+    one process.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -292,8 +368,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         _paged_attention_kernel[grid[:2] + (1,)](
             *args, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=1, PREFETCH=False, LAST_COMBINES=False,
             ROWS=ROWS_ONE_TOKEN, num_warps=warps, num_stages=stages, **common)
-        chunk_m = max(CHUNK_BLOCK_M, block_m)
-        block_n, warps, stages = CHUNK_TILE
+        chunk_m = max(CHUNK_BLOCK_M if chunk_block_m is None else chunk_block_m, block_m)
+        block_n, warps, stages = CHUNK_TILE if chunk_tile is None else chunk_tile
         _paged_attention_kernel[grid[:2] + (triton.cdiv(meta.max_query_len, chunk_m // group),)](
             *args, BLOCK_M=chunk_m, BLOCK_N=block_n, NUM_SPLITS=1, PREFETCH=False, LAST_COMBINES=False,
             ROWS=ROWS_CHUNKS, num_warps=warps, num_stages=stages, **common)
