@@ -18,7 +18,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2}
 
 
 def check(B, T, num_heads, num_kv_heads, head_dim, rot, norm, dtype, device, merged=True, pdl=False, seed=0, eps=1e-6,
-          scale=1.0):
+          scale=1.0, tokens_per_program=None, num_warps=None):
     from minirt.kernels.rotary_triton import norm_and_rotate_triton
 
     gen = torch.Generator().manual_seed(seed)
@@ -34,7 +34,8 @@ def check(B, T, num_heads, num_kv_heads, head_dim, rot, norm, dtype, device, mer
     sin = torch.cat([angles.sin()] * 2, -1).to(dtype).to(device)
     qw, kw = ((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype).to(device) for _ in range(2))
     weights = (qw, kw, eps) if norm else (None, None, 0.0)
-    got = norm_and_rotate_triton(q, k, cos, sin, *weights, pdl=pdl)
+    got = norm_and_rotate_triton(q, k, cos, sin, *weights, pdl=pdl, tokens_per_program=tokens_per_program,
+                                 num_warps=num_warps)
     want = norm_and_rotate(q.double(), k.double(), cos.double(), sin.double(),
                            *(w.double() if isinstance(w, torch.Tensor) else w for w in weights))
     for g, w in zip(got, want):
@@ -59,9 +60,62 @@ def test_norm_and_rotate_triton_matches_reference(case, merged, dtype, device):
     check(*case, dtype, device, merged=merged)
 
 
+# Several tokens per program (B, T, H, Hkv, D, rotary dim, q/k norm, tokens per program, warps): token counts that
+# the tokens per program do not divide, one and several heads a program, partial rotary.
+MULTI_TOKEN_CASES = [(1, 7, 4, 2, 32, 32, True, 4, None), (1, 70, 4, 2, 32, 32, True, 4, 8),
+                     (3, 25, 16, 8, 64, 48, True, 2, None), (1, 66, 12, 4, 16, 16, False, 8, 1)]
+
+
 @pytest.mark.skipif(not DEVICES, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("device", DEVICES)
-def test_norm_and_rotate_triton_rounds_as_eager_bf16(device):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", MULTI_TOKEN_CASES, ids=str)
+def test_norm_and_rotate_triton_several_tokens_per_program(case, dtype, device):
+    pytest.importorskip("triton")
+    *shape, tokens_per_program, num_warps = case
+    check(*shape, dtype, device, tokens_per_program=tokens_per_program, num_warps=num_warps)
+
+
+@pytest.mark.skipif(not DEVICES, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_norm_and_rotate_triton_default_tokens_per_program(dtype, device, monkeypatch):
+    """The default launch from 2 * MIN_TOKEN_GROUPS tokens on, with MIN_TOKEN_GROUPS made small so that the
+    interpreter runs it quickly: 70 tokens take 16 tokens of 2 heads a program, the last program 6 tokens."""
+    pytest.importorskip("triton")
+    from minirt.kernels import rotary_triton
+
+    monkeypatch.setattr(rotary_triton, "MIN_TOKEN_GROUPS", 4)
+    assert rotary_triton.launch_config(70, 4, 2, 32) == (16, 2, 4)
+    check(1, 70, 4, 2, 32, 32, True, dtype, device)
+
+
+def test_launch_config_takes_tokens_per_program_for_large_prefills():
+    """`launch_config`: one head and one token a program for a decode step, several heads from MANY_TOKENS tokens
+    on, several tokens too from 2 * MIN_TOKEN_GROUPS (Qwen3-0.6B's 8,192-token prefill: 4 tokens of 8 heads, 8
+    warps); overrides must be powers of two."""
+    pytest.importorskip("triton")
+    from minirt.kernels.rotary_triton import MANY_TOKENS, MIN_TOKEN_GROUPS, launch_config
+
+    assert launch_config(1, 16, 8, 128) == (1, 1, 4)
+    assert launch_config(MANY_TOKENS, 16, 8, 128) == (1, 8, 4)
+    assert launch_config(2 * MIN_TOKEN_GROUPS - 1, 16, 8, 128) == (1, 8, 4)
+    assert launch_config(2 * MIN_TOKEN_GROUPS, 16, 8, 128) == (2, 8, 4)
+    assert launch_config(8192, 16, 8, 128) == (4, 8, 8)
+    assert launch_config(8192, 16, 8, 128, tokens_per_program=16, num_warps=2) == (16, 8, 2)
+    assert launch_config(5, 16, 8, 128, tokens_per_program=4) == (4, 1, 4)
+    for kw, message in (({"tokens_per_program": 3}, r"^tokens_per_program: must be a power of two, got 3"),
+                        ({"tokens_per_program": 0}, r"^tokens_per_program: must be a power of two, got 0"),
+                        ({"num_warps": 64}, r"^num_warps: must be a power of two up to 32, got 64"),
+                        ({"num_warps": 4.0}, r"^num_warps: must be a power of two up to 32, got 4.0")):
+        with pytest.raises(ValueError, match=message):
+            launch_config(8192, 16, 8, 128, **kw)
+
+
+@pytest.mark.skipif(not DEVICES, reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("tokens_per_program", [None, 4], ids=["default", "4-tokens-per-program"])
+def test_norm_and_rotate_triton_rounds_as_eager_bf16(device, tokens_per_program):
     """In bf16 the kernel rounds after each op as eager torch (and transformers) do: its output equals the eager
     `norm_and_rotate` in bf16 except where rsqrt or the mean's summation order differ in the last bit."""
     pytest.importorskip("triton")
@@ -73,7 +127,7 @@ def test_norm_and_rotate_triton_rounds_as_eager_bf16(device):
     angles = torch.rand(1, tokens, 64, generator=gen) * 50
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(torch.bfloat16).to(device) for f in (torch.cos, torch.sin))
     qw, kw = ((1 + 0.3 * torch.randn(128, generator=gen)).to(torch.bfloat16).to(device) for _ in range(2))
-    for got, want in zip(norm_and_rotate_triton(q, k, cos, sin, qw, kw, 1e-6),
+    for got, want in zip(norm_and_rotate_triton(q, k, cos, sin, qw, kw, 1e-6, tokens_per_program=tokens_per_program),
                          norm_and_rotate(q, k, cos, sin, qw, kw, 1e-6)):
         assert (got == want).float().mean().item() > 0.99
         torch.testing.assert_close(got, want, rtol=2 ** -6, atol=2 ** -6)
@@ -142,14 +196,17 @@ def test_norm_and_rotate_triton_argument_errors():
         norm_and_rotate_triton(torch.randn(1, 2, 16, 4).transpose(2, 3), k, cos, sin, w, w, 1e-6)
     with pytest.raises(ValueError, match=r"^q_weight/k_weight: give both or neither"):
         norm_and_rotate_triton(q, k, cos, sin, w, None, 1e-6)
+    with pytest.raises(ValueError, match=r"^tokens_per_program: must be a power of two, got 3"):
+        norm_and_rotate_triton(q, k, cos, sin, w, w, 1e-6, tokens_per_program=3)
 
 
 @pytest.mark.skipif(not DEVICES, reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("norm", [True, False], ids=["qk-norm", "no-norm"])
-@pytest.mark.parametrize("T", [6, 80], ids=["one-head-per-program", "heads-per-program"])
-def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm, T):
+@pytest.mark.parametrize("T,tokens_per_program", [(6, None), (80, None), (75, 4)],
+                         ids=["one-head-per-program", "heads-per-program", "tokens-per-program"])
+def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm, T, tokens_per_program):
     """`norm_rotate_and_store_triton` (chapter 07's `kv_write_in_rotary`) gives the bits of its two-kernel
     equivalent, `norm_and_rotate_triton` then `store_kv_triton`: the same rotated q, the same keys and values in
     the given slots of the paged cache, every other slot untouched."""
@@ -172,10 +229,11 @@ def test_norm_rotate_and_store_equals_rotation_then_kv_write(device, dtype, norm
     slots = torch.randperm(num_slots, generator=gen)[:T].to(device)
     fill = torch.randn(num_slots // 4, 4, Hkv, D, generator=gen).to(dtype).to(device)   # blocks of 4 slots
     k_cache, v_cache = fill.clone(), -fill
-    q_want, k_rot = norm_and_rotate_triton(q, k, cos, sin, *weights)
+    q_want, k_rot = norm_and_rotate_triton(q, k, cos, sin, *weights, tokens_per_program=tokens_per_program)
     store_kv_triton(k_cache, v_cache, k_rot[0], v[0], slots)
     k_got, v_got = fill.clone(), -fill
-    q_got = norm_rotate_and_store_triton(q, k, v, cos, sin, *weights, k_got, v_got, slots)
+    q_got = norm_rotate_and_store_triton(q, k, v, cos, sin, *weights, k_got, v_got, slots,
+                                         tokens_per_program=tokens_per_program)
     assert torch.equal(q_got, q_want) and torch.equal(k_got, k_cache) and torch.equal(v_got, v_cache)
     untouched = torch.ones(num_slots, dtype=torch.bool)
     untouched[slots.cpu()] = False

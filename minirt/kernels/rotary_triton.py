@@ -2,11 +2,13 @@
 
 `minirt.fast.ops.norm_and_rotate` is four elementwise passes; compiled with `torch.compile` (`fused_ops`)
 they become two kernels, one for q and one for k, because their head counts differ. Here one launch covers both:
-one program per (token, head), heads 0 .. H-1 of q then 0 .. Hkv-1 of k. A program loads its head (D values)
-and, for the rotation, each channel's partner in the other half (`rotate_half`), normalizes both by the head's
-root mean square, and writes `x * cos + rotate_half(x) * sin`, computed in float32 and rounded after each op
-as eager torch rounds. At batch 1 a decode step runs this once per layer, so two launches become one (vLLM's
-fused `rotary_embedding` custom op does the rotation of q and k in one kernel the same way).
+programs of one token's head (a decode step), of several heads of a token (a larger batch) or of several heads of
+several tokens (a prefill of thousands of tokens), heads 0 .. H-1 of q then 0 .. Hkv-1 of k (`launch_config`).
+A program loads each head's two halves (D / 2 values each, the other's partner in `rotate_half`; with a partial
+rotary dim, each rotated channel's partner), normalizes them by the head's root mean square, and writes
+`x * cos + rotate_half(x) * sin`, computed in float32 and rounded after each op as eager torch rounds. At batch 1
+a decode step runs this once per layer, so two launches become one (vLLM's fused `rotary_embedding` custom op
+does the rotation of q and k in one kernel the same way).
 """
 
 from __future__ import annotations
@@ -29,60 +31,95 @@ def _round(x, DT: tl.constexpr):
         return x.to(DT).to(tl.float32)
 
 
-@triton.jit
-def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, stride_qt, stride_kt, stride_ct,
+@triton.jit(do_not_specialize=["num_tokens"])
+def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, num_tokens, stride_qt, stride_kt, stride_ct,
                         V, VCache, slot_mapping, stride_vt, stride_slot,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
-                        BLOCK_H: tl.constexpr = 1):
+                        BLOCK_H: tl.constexpr = 1, BLOCK_T: tl.constexpr = 1):
     if PDL:     # programmatic dependent launch: wait for the projection that wrote q and k
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
-    # One program: one token's heads h0 .. h0 + BLOCK_H - 1 of [q heads | k heads | v heads]; BLOCK_H divides
-    # NUM_HEADS and NUM_KV_HEADS, so they are all of one kind.
-    token = tl.program_id(0).to(tl.int64)
+    # One program: heads h0 .. h0 + BLOCK_H - 1 of [q heads | k heads | v heads] of tokens t0 .. t0 + BLOCK_T - 1,
+    # as BLOCK_T * BLOCK_H rows (a token's heads adjacent); BLOCK_H divides NUM_HEADS and NUM_KV_HEADS, so the
+    # heads are all of one kind. `token` and `head` are each row's.
     h0 = tl.program_id(1) * BLOCK_H
-    hh = tl.arange(0, BLOCK_H)[:, None]
-    d = tl.arange(0, HEAD_DIM)[None, :]
-    half: tl.constexpr = ROT // 2
-    rotated = d < ROT
-    partner = tl.where(d < half, d + half, d - half)                 # rotate_half's source channel
-    rows = hh * HEAD_DIM
-    if STORE:   # KOut is the layer's K cache: token's K goes to its slot, and programs past q's and k's heads copy V
-        slot = tl.load(slot_mapping + token).to(tl.int64)
+    r = tl.arange(0, BLOCK_T * BLOCK_H)[:, None]
+    if BLOCK_T == 1:    # one token: a scalar, so its cos/sin load once, not once per row
+        token = tl.program_id(0).to(tl.int64)
+        head = r
+        live = None
+    else:               # the last program's rows past the last token store nothing
+        token = tl.program_id(0).to(tl.int64) * BLOCK_T + r // BLOCK_H
+        head = r % BLOCK_H
+        live = token < num_tokens
+        token = tl.minimum(token, num_tokens - 1)   # and load the last token's values: loads need no mask
+    if STORE:   # KOut is the layer's K cache: programs past q's and k's heads copy V into each token's slot
         if h0 >= NUM_HEADS + NUM_KV_HEADS:
-            v_head = h0 - NUM_HEADS - NUM_KV_HEADS
-            tl.store(VCache + slot * stride_slot + v_head * HEAD_DIM + rows + d,
-                     tl.load(V + token * stride_vt + v_head * HEAD_DIM + rows + d))
+            v_head = h0 - NUM_HEADS - NUM_KV_HEADS + head
+            dv = tl.arange(0, HEAD_DIM)[None, :]
+            slot = tl.load(slot_mapping + token).to(tl.int64)
+            tl.store(VCache + slot * stride_slot + v_head * HEAD_DIM + dv,
+                     tl.load(V + token * stride_vt + v_head * HEAD_DIM + dv), mask=live)
             return
-        k_dst = KOut + slot * stride_slot + (h0 - NUM_HEADS) * HEAD_DIM
-    else:
-        k_dst = KOut + (token * NUM_KV_HEADS + h0 - NUM_HEADS) * HEAD_DIM
     if h0 < NUM_HEADS:
-        src = Q + token * stride_qt + h0 * HEAD_DIM
-        dst = QOut + (token * NUM_HEADS + h0) * HEAD_DIM
+        src = Q + token * stride_qt + (h0 + head) * HEAD_DIM
+        dst = QOut + (token * NUM_HEADS + h0 + head) * HEAD_DIM
         w_ptr = QW
     else:
-        src = K + token * stride_kt + (h0 - NUM_HEADS) * HEAD_DIM
-        dst = k_dst
+        kv_head = h0 - NUM_HEADS + head
+        src = K + token * stride_kt + kv_head * HEAD_DIM
+        if STORE:   # each token's K goes to its slot of the cache
+            dst = KOut + tl.load(slot_mapping + token).to(tl.int64) * stride_slot + kv_head * HEAD_DIM
+        else:
+            dst = KOut + (token * NUM_KV_HEADS + kv_head) * HEAD_DIM
         w_ptr = KW
     # Rounded to the output dtype after each op, as the eager reference and transformers round, so that a
     # bf16 model gives transformers' values (float32: every cast is a no-op).
     dt = QOut.dtype.element_ty
-    x = tl.load(src + rows + d).to(tl.float32)
-    xp = tl.load(src + rows + partner, mask=rotated, other=0.0).to(tl.float32)
-    if NORM:                                                          # rms_norm: (x * rstd) rounded, times w
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-        x = _round(tl.load(w_ptr + d).to(tl.float32) * _round(x * rstd, dt), dt)
-        xp = _round(tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32) * _round(xp * rstd, dt), dt)
-    c = tl.load(Cos + token * stride_ct + d, mask=rotated, other=1.0).to(tl.float32)
-    s = tl.load(Sin + token * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
-    rotated_half = tl.where(d < half, -xp, xp)                        # rotate_half(x): exact
-    out = tl.where(rotated, _round(_round(x * c, dt) + _round(rotated_half * s, dt), dt), x)
-    tl.store(dst + rows + d, out.to(QOut.dtype.element_ty))
+    if ROT == HEAD_DIM:
+        # The whole head rotates (every model here): its halves x1, x2 load as two contiguous tiles, each the
+        # other's rotate_half partner, so no load gathers; rotate_half(x) = [-x2, x1].
+        half: tl.constexpr = HEAD_DIM // 2
+        d = tl.arange(0, half)[None, :]
+        # Every load first, so that none waits on the norm's reduction in program order.
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + half + d).to(tl.float32)
+        cs = token * stride_ct + d
+        c1 = tl.load(Cos + cs).to(tl.float32)
+        c2 = tl.load(Cos + cs + half).to(tl.float32)
+        s1 = tl.load(Sin + cs).to(tl.float32)
+        s2 = tl.load(Sin + cs + half).to(tl.float32)
+        if NORM:                                                      # rms_norm: (x * rstd) rounded, times w
+            w1 = tl.load(w_ptr + d).to(tl.float32)
+            w2 = tl.load(w_ptr + half + d).to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)[:, None]
+            x1 = _round(w1 * _round(x1 * rstd, dt), dt)
+            x2 = _round(w2 * _round(x2 * rstd, dt), dt)
+        tl.store(dst + d, _round(_round(x1 * c1, dt) + _round(-x2 * s1, dt), dt).to(dt), mask=live)
+        tl.store(dst + half + d, _round(_round(x2 * c2, dt) + _round(x1 * s2, dt), dt).to(dt), mask=live)
+    else:
+        # Partial rotary: channels ROT .. HEAD_DIM - 1 pass through, and each rotated channel's partner in the
+        # other half of the rotary dims is gathered.
+        d = tl.arange(0, HEAD_DIM)[None, :]
+        half: tl.constexpr = ROT // 2
+        rotated = d < ROT
+        partner = tl.where(d < half, d + half, d - half)              # rotate_half's source channel
+        x = tl.load(src + d).to(tl.float32)
+        xp = tl.load(src + partner, mask=rotated, other=0.0).to(tl.float32)
+        if NORM:
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
+            x = _round(tl.load(w_ptr + d).to(tl.float32) * _round(x * rstd, dt), dt)
+            xp = _round(tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32) * _round(xp * rstd, dt), dt)
+        c = tl.load(Cos + token * stride_ct + d, mask=rotated, other=1.0).to(tl.float32)
+        s = tl.load(Sin + token * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
+        rotated_half = tl.where(d < half, -xp, xp)                    # rotate_half(x): exact
+        out = tl.where(rotated, _round(_round(x * c, dt) + _round(rotated_half * s, dt), dt), x)
+        tl.store(dst + d, out.to(dt), mask=live)
 
 
 MANY_TOKENS, MAX_HEADS_PER_PROGRAM = 64, 8
+MAX_ROWS_PER_PROGRAM, MIN_TOKEN_GROUPS = 32, 512
 
 
 def heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int:
@@ -96,6 +133,30 @@ def heads_per_program(num_tokens: int, num_heads: int, num_kv_heads: int) -> int
     while h < MAX_HEADS_PER_PROGRAM and num_heads % (2 * h) == 0 and num_kv_heads % (2 * h) == 0:
         h *= 2
     return h
+
+
+def launch_config(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                  tokens_per_program: int | None = None, num_warps: int | None = None) -> tuple[int, int, int]:
+    """(tokens, heads, warps) of one program of `_norm_rotate_kernel` for num_tokens tokens. Heads:
+    `heads_per_program`. Tokens: 1, or from 2 * MIN_TOKEN_GROUPS tokens on (a prefill of thousands of tokens)
+    the largest power of two that keeps a program's rows (tokens x heads) within MAX_ROWS_PER_PROGRAM and the
+    programs along the tokens at least MIN_TOKEN_GROUPS: 8,192 tokens of Qwen3-0.6B take 4 tokens of 8 heads a
+    program, 8 KB of bf16 in, where programs of one token's 2 KB were too small to pay for themselves. Warps: 4
+    (Triton's default) for one token, else enough that each thread holds 16 of the program's values (two 16-byte
+    vectors of bf16), up to 16. tokens_per_program and num_warps override the choice (a benchmark sweeping
+    variants in one process); both must be powers of two, else ValueError naming them."""
+    block_h = heads_per_program(num_tokens, num_heads, num_kv_heads)
+    for name, n, top in (("tokens_per_program", tokens_per_program, None), ("num_warps", num_warps, 32)):
+        if n is not None and (not isinstance(n, int) or n < 1 or n & (n - 1) or (top and n > top)):
+            raise ValueError(f"{name}: must be a power of two{f' up to {top}' if top else ''}, got {n!r}")
+    block_t = tokens_per_program
+    if block_t is None:
+        block_t = 1
+        while 2 * block_t * block_h <= MAX_ROWS_PER_PROGRAM and num_tokens >= 2 * block_t * MIN_TOKEN_GROUPS:
+            block_t *= 2
+    if num_warps is None:
+        num_warps = 4 if block_t == 1 else min(16, max(4, block_t * block_h * head_dim // (32 * 16)))
+    return block_t, block_h, num_warps
 
 
 def _check(q, k, cos, sin, q_weight, k_weight):
@@ -120,45 +181,50 @@ def _check(q, k, cos, sin, q_weight, k_weight):
         raise ValueError("q_weight/k_weight: give both or neither")
 
 
-def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl, store=None):
-    """One launch: grid (tokens, (q heads + k heads [+ v heads when store = (v, v_cache, slot_mapping)]) / heads per
-    program)."""
+def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl, store=None, tokens_per_program=None,
+            num_warps=None):
+    """One launch: grid (tokens / tokens per program, (q heads + k heads [+ v heads when store = (v, v_cache,
+    slot_mapping)]) / heads per program), as `launch_config` chooses."""
     B, T, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[2]
+    block_t, block_h, warps = launch_config(B * T, num_heads, num_kv_heads, head_dim, tokens_per_program, num_warps)
     if B * T == 0:
         return
     norm = q_weight is not None
     v, v_cache, slots = store if store is not None else (q, q, q)       # unused without store
-    block_h = heads_per_program(B * T, num_heads, num_kv_heads)
     heads = num_heads + num_kv_heads * (2 if store is not None else 1)
-    _norm_rotate_kernel[(B * T, heads // block_h)](
-        q, k, q_out, k_out, cos, sin, q_weight if norm else q, k_weight if norm else k, eps,
+    _norm_rotate_kernel[(triton.cdiv(B * T, block_t), heads // block_h)](
+        q, k, q_out, k_out, cos, sin, q_weight if norm else q, k_weight if norm else k, eps, B * T,
         q.stride(1), k.stride(1), cos.shape[-1], v, v_cache, slots, v.stride(-3), v_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=cos.shape[-1], NORM=norm, PDL=pdl,
-        STORE=store is not None, BLOCK_H=block_h, **({"launch_pdl": True} if pdl else {}))
+        STORE=store is not None, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=warps,
+        **({"launch_pdl": True} if pdl else {}))
 
 
 def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float, *,
-                           pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                           pdl: bool = False, tokens_per_program: int | None = None,
+                           num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`minirt.fast.ops.norm_and_rotate` in one kernel: q `[B, T, H, D]`, k `[B, T, Hkv, D]` (each token's
     heads contiguous; tokens may be strided, as slices of a merged q/k/v projection are), cos/sin `[B, T, R]`
     with R <= D even, q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k. D must be a power
     of two. Computes in float32, rounding to q's dtype after each op as the eager reference does (equal results
     when cos, sin and the weights are in q's dtype too, as in the model). pdl: launch with
-    programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`). Raises ValueError naming the
-    argument for layouts it cannot read."""
+    programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`). tokens_per_program, num_warps:
+    override `launch_config`'s choice (for benchmarks). Raises ValueError naming the argument for layouts it
+    cannot read."""
     _check(q, k, cos, sin, q_weight, k_weight)
     q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
                                                                                    device=k.device)
-    _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl)
+    _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl, None, tokens_per_program, num_warps)
     return q_out, k_out
 
 
 def norm_rotate_and_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                                  sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
                                  eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 slot_mapping: torch.Tensor, *, pdl: bool = False) -> torch.Tensor:
+                                 slot_mapping: torch.Tensor, *, pdl: bool = False,
+                                 tokens_per_program: int | None = None, num_warps: int | None = None) -> torch.Tensor:
     """`minirt.fast.ops.norm_rotate_and_store` in one kernel: `norm_and_rotate_triton` whose programs for k
     write each rotated key straight into its slot of the paged cache, with Hkv more programs copying v into
     v_cache, so the backend's K/V write (`store_kv_triton`) is not launched. vLLM and SGLang fuse the rotary
@@ -166,8 +232,9 @@ def norm_rotate_and_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
 
     q, k, cos, sin, weights, eps: as `norm_and_rotate_triton`, with B = 1 (a packed batch); v `[1, T, Hkv, D]`
     laid out like k; k_cache/v_cache `[num_blocks, block_size, Hkv, D]` and slot_mapping `[T]`: as
-    `minirt.kernels.paged_attention_triton.store_kv_triton`, which checks them. Returns the rotated q
-    `[1, T, H, D]`. Raises ValueError naming the argument."""
+    `minirt.kernels.paged_attention_triton.store_kv_triton`, which checks them. pdl, tokens_per_program,
+    num_warps: as `norm_and_rotate_triton`. Returns the rotated q `[1, T, H, D]`. Raises ValueError naming the
+    argument."""
     from minirt.kernels.paged_attention_triton import check_store_kv_args
 
     _check(q, k, cos, sin, q_weight, k_weight)
@@ -177,5 +244,6 @@ def norm_rotate_and_store_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tens
         raise ValueError(f"v: must be {k.dtype} of k's shape {tuple(k.shape)}, got {v.dtype} {tuple(v.shape)}")
     check_store_kv_args(k_cache, v_cache, k[0], v[0], slot_mapping)
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_cache, pdl, store=(v, v_cache, slot_mapping))
+    _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_cache, pdl, (v, v_cache, slot_mapping),
+            tokens_per_program, num_warps)
     return q_out
