@@ -9,7 +9,7 @@ for their bytes at the copy bandwidth. This times, in one process, each of them 
 under `--base` (a folder holding a `minirt/`, e.g. `git archive REV minirt | tar -x -C work/base`) runs it, plus the
 tile options this tree's kernels take, at 8,192 rows and at a decode burst's 256; and decode attention at 256
 sequences, to see that it did not move. Each timing is the median of CUDA-event timed calls on buffers larger than
-the L2 cache where the engine's are; each variant's output is checked against the base kernel's (max difference, and
+the L2 cache where the engine's are, several calls captured in one CUDA graph; each variant's output is checked against the base kernel's (max difference, and
 for the SiLU the share of elements that differ from eager torch). Writes `prefill-kernels-cuda-<date>.json` with the
 commit. Needs CUDA.
 """
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from minirt.attention import PagedAttentionMetadata
-from minirt.bench import cuda_seconds, cuda_script_args, report_header, write_report
+from minirt.bench import cuda_graph_seconds, cuda_script_args, report_header, write_report
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, BLOCK = 16, 8, 128, 1024, 3072, 16      # Qwen3-0.6B
 
@@ -40,8 +40,11 @@ def load_base(base: str, name: str):
     return module
 
 
-def us(fn, iters: int = 20) -> float:
-    return cuda_seconds(fn, iters) * 1e6
+def us(calls) -> float:
+    """us per call of `calls` (a list of callables), all captured in one CUDA graph: the median of 15 replays. A graph,
+    because launching from Python takes longer than many of these kernels run (a one-token launch timed alone
+    reads the host's 60 us)."""
+    return cuda_graph_seconds(lambda: [call() for call in calls]) * 1e6 / len(calls)
 
 
 def max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -55,20 +58,21 @@ def silu_rows(base_fused, report: dict) -> None:
 
     compiled = base_fused(silu_and_mul)
     for rows in (8192, 256):
-        copies = 2 if rows == 8192 else 28                  # 8,192 rows: 100 MB each, more than the L2 already
+        copies = 4 if rows == 8192 else 28                  # as many calls on as many buffers: no call finds its input in L2
         merged = [torch.randn(1, rows, 2 * INTERMEDIATE, device="cuda", dtype=torch.bfloat16) * 4 for _ in range(copies)]
         halves = [m.chunk(2, dim=-1) for m in merged]
         eager = silu_and_mul(*halves[0])
         row = {"rows": rows, "bytes": 3 * rows * INTERMEDIATE * 2}
-        calls = {"torch.compile": lambda: [compiled(*h) for h in halves], "eager": lambda: [silu_and_mul(*h) for h in halves]}
+        calls = {"torch.compile": [lambda h=h: compiled(*h) for h in halves],
+                 "eager": [lambda h=h: silu_and_mul(*h) for h in halves]}
         for br, bc, warps in ((8, 512, 4), (4, 1024, 4), (16, 256, 4), (8, 1024, 8), (2, 1024, 4), (32, 128, 4),
-                              (1, 2048, 8), (16, 512, 8)):
-            calls[f"triton {br}x{bc} w{warps}"] = (
-                lambda br=br, bc=bc, w=warps: [silu_and_mul_triton(*h, block_rows=br, block_cols=bc, num_warps=w)
-                                               for h in halves])
+                              (1, 2048, 8), (16, 512, 8), (4, 512, 4), (8, 256, 4)):
+            calls[f"triton {br}x{bc} w{warps}"] = [
+                lambda h=h, br=br, bc=bc, w=warps: silu_and_mul_triton(*h, block_rows=br, block_cols=bc, num_warps=w)
+                for h in halves]
         for key, call in calls.items():
-            out = call()[0]
-            row[key + " us"] = us(call) / copies
+            out = call[0]()
+            row[key + " us"] = us(call)
             row[key + " differs from eager"] = (out != eager).float().mean().item()
         report["silu_and_mul"].append(row)
         print(f"silu_and_mul rows={rows}: " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith(" us")))
@@ -80,9 +84,12 @@ def rotary_rows(base_rotary, report: dict) -> None:
     from minirt.kernels import rotary_triton
 
     for tokens in (8192, 256, 1):
-        qkv = torch.randn(1, tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-        q, k, v = qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1)
-        q, k, v = (x.view(1, tokens, -1, HEAD_DIM) for x in (q, k, v))
+        copies = 4 if tokens == 8192 else 28                # calls per graph, each on its own q/k/v
+        qkvs = [torch.randn(1, tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+                for _ in range(copies)]
+        inputs = [tuple(x.view(1, tokens, -1, HEAD_DIM)
+                        for x in qkv.split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], dim=-1))
+                  for qkv in qkvs]
         angles = torch.rand(1, tokens, HEAD_DIM // 2, device="cuda") * 50
         cos = torch.cat([angles.cos()] * 2, -1).to(torch.bfloat16)
         sin = torch.cat([angles.sin()] * 2, -1).to(torch.bfloat16)
@@ -93,18 +100,20 @@ def rotary_rows(base_rotary, report: dict) -> None:
         caches = {name: [torch.zeros(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
                          for _ in range(2)] for name in ("base", "this")}
         row = {"tokens": tokens}
-        variants = {"base": lambda: base_rotary.norm_rotate_and_store_triton(q, k, v, cos, sin, qw, kw, 1e-6,
-                                                                            *caches["base"], slots)}
+        variants = {"base": [lambda x=x: base_rotary.norm_rotate_and_store_triton(*x, cos, sin, qw, kw, 1e-6,
+                                                                                 *caches["base"], slots)
+                             for x in inputs]}
         for name, kwargs in rotary_variants(rotary_triton, tokens):
-            variants[name] = (lambda kw_=kwargs: rotary_triton.norm_rotate_and_store_triton(
-                q, k, v, cos, sin, qw, kw, 1e-6, *caches["this"], slots, **kw_))
-        want = variants["base"]()
+            variants[name] = [lambda x=x, kw_=kwargs: rotary_triton.norm_rotate_and_store_triton(
+                *x, cos, sin, qw, kw, 1e-6, *caches["this"], slots, **kw_) for x in inputs]
+        want = variants["base"][0]()
+        want_kv = [c.clone() for c in caches["base"]]
         for name, call in variants.items():
-            got = call()
+            got = call[0]()
+            if name != "base":        # q, and the K/V written, against the base kernel's on the same input
+                row[name + " max diff"] = max(max_diff(got, want), *(max_diff(c, w) for c, w in zip(caches["this"],
+                                                                                                  want_kv)))
             row[name + " us"] = us(call)
-            if name != "base":
-                row[name + " max diff"] = max(max_diff(got, want), max_diff(caches["this"][0], caches["base"][0]),
-                                              max_diff(caches["this"][1], caches["base"][1]))
         report["rotary"].append(row)
         print(f"rotary tokens={tokens}: " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith(" us")))
 
@@ -176,10 +185,12 @@ def attention_rows(base_attention, report: dict) -> None:
         want = base_attention.paged_attention_triton(q, k_cache, v_cache, meta)
         variants = {"base": lambda: base_attention.paged_attention_triton(q, k_cache, v_cache, meta),
                     "this": lambda: this.paged_attention_triton(q, k_cache, v_cache, meta)}
+        reps = 4
         if takes_tile and meta.max_query_len > 1:
-            for rows, tile in ((128, (64, 8, 3)), (128, (128, 8, 3)), (128, (64, 4, 3)), (128, (128, 8, 2)),
-                               (128, (64, 8, 4)), (128, (32, 4, 3)), (64, (64, 4, 3)), (64, (128, 4, 3)),
-                               (256, (64, 8, 3)), (256, (32, 8, 3))):
+            for rows, tile in ((128, (64, 8, 3)), (128, (128, 8, 3)), (128, (64, 4, 3)), (128, (32, 4, 3)),
+                               (128, (32, 4, 2)), (128, (32, 4, 4)), (128, (32, 8, 3)), (128, (16, 4, 3)),
+                               (64, (64, 4, 3)), (64, (32, 4, 3)), (64, (32, 2, 3)), (256, (64, 8, 3)),
+                               (256, (32, 8, 3)), (256, (32, 8, 2))):
                 variants[f"this m{rows} " + "x".join(map(str, tile))] = (
                     lambda r=rows, t=tile: this.paged_attention_triton(q, k_cache, v_cache, meta, chunk_tile=t,
                                                                        chunk_block_m=r))
@@ -189,7 +200,7 @@ def attention_rows(base_attention, report: dict) -> None:
             except Exception as e:                  # a tiling that does not fit (shared memory, registers)
                 row[name + " error"] = f"{type(e).__name__}: {e}"[:200]
                 continue
-            row[name + " us"] = us(call)
+            row[name + " us"] = us([call] * reps)
             row[name + " max diff"] = max_diff(got, want)
         report["attention"].append(row)
         print(f"attention {label}: " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith(" us")))

@@ -101,7 +101,7 @@ def test_launch_config_takes_tokens_per_program_for_large_prefills():
     assert launch_config(MANY_TOKENS, 16, 8, 128) == (1, 8, 4)
     assert launch_config(2 * MIN_TOKEN_GROUPS - 1, 16, 8, 128) == (1, 8, 4)
     assert launch_config(2 * MIN_TOKEN_GROUPS, 16, 8, 128) == (2, 8, 4)
-    assert launch_config(8192, 16, 8, 128) == (4, 8, 8)
+    assert launch_config(8192, 16, 8, 128) == (4, 8, 4)
     assert launch_config(8192, 16, 8, 128, tokens_per_program=16, num_warps=2) == (16, 8, 2)
     assert launch_config(5, 16, 8, 128, tokens_per_program=4) == (4, 1, 4)
     for kw, message in (({"tokens_per_program": 3}, r"^tokens_per_program: must be a power of two, got 3"),

@@ -141,9 +141,9 @@ def launch_config(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: 
     `heads_per_program`. Tokens: 1, or from 2 * MIN_TOKEN_GROUPS tokens on (a prefill of thousands of tokens)
     the largest power of two that keeps a program's rows (tokens x heads) within MAX_ROWS_PER_PROGRAM and the
     programs along the tokens at least MIN_TOKEN_GROUPS: 8,192 tokens of Qwen3-0.6B take 4 tokens of 8 heads a
-    program, 8 KB of bf16 in, where programs of one token's 2 KB were too small to pay for themselves. Warps: 4
-    (Triton's default) for one token, else enough that each thread holds 16 of the program's values (two 16-byte
-    vectors of bf16), up to 16. tokens_per_program and num_warps override the choice (a benchmark sweeping
+    program, 8 KB of bf16 in, where programs of one token's 2 KB are too small to pay for themselves. Warps: 4
+    (Triton's default) for one token, else enough that each thread holds 32 of the program's values (four 16-byte
+    vectors of bf16), up to 16 (the sweep behind it: benchmarks/README.md, issue 23's log, session 5). tokens_per_program and num_warps override the choice (a benchmark sweeping
     variants in one process); both must be powers of two, else ValueError naming them."""
     block_h = heads_per_program(num_tokens, num_heads, num_kv_heads)
     for name, n, top in (("tokens_per_program", tokens_per_program, None), ("num_warps", num_warps, 32)):
@@ -155,7 +155,7 @@ def launch_config(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: 
         while 2 * block_t * block_h <= MAX_ROWS_PER_PROGRAM and num_tokens >= 2 * block_t * MIN_TOKEN_GROUPS:
             block_t *= 2
     if num_warps is None:
-        num_warps = 4 if block_t == 1 else min(16, max(4, block_t * block_h * head_dim // (32 * 16)))
+        num_warps = 4 if block_t == 1 else min(16, max(4, block_t * block_h * head_dim // (32 * 32)))
     return block_t, block_h, num_warps
 
 

@@ -34,9 +34,9 @@ def _silu_and_mul_kernel(Gate, Up, Out, num_rows, stride_g, stride_u, INTERMEDIA
     tl.store(Out + rows * INTERMEDIATE + cols, _round(silu * u, dt).to(dt), mask=ok)
 
 
-#: (rows, channels) per program: wide enough that each row's loads are long contiguous runs, small enough that a
-#: decode batch of a few hundred rows still makes a few hundred programs.
-BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 8, 512, 4
+#: (rows, channels) per program: rows of 512 channels load as long contiguous runs, and a decode batch of a few hundred
+#: rows still makes a few hundred programs (the sweep behind it: benchmarks/README.md, issue 23's log, session 5).
+BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 4, 512, 4
 
 
 def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, block_rows: int = BLOCK_ROWS,
