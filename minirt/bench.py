@@ -564,6 +564,7 @@ ON_OFF_SWITCHES = (
                          "with CUDA graphs)"),
     ("async_scheduling", "minirt launches a step with prefill chunks before taking the tokens of the one before (auto: "
                          "off)"),
+    ("silu_and_mul_kernel", "minirt's SiLU-and-multiply in a Triton kernel (auto: on CUDA where Triton runs)"),
 )
 
 

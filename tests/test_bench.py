@@ -203,6 +203,17 @@ def test_engine_switches_from_the_command_line():
                                       "prefetch_kv": False, "l2_prefetch": True, "num_scheduler_steps": 4}
 
 
+def test_every_auto_switch_is_a_bench_flag():
+    """Each `EngineConfig` switch that takes None (`AUTO_SWITCHES`) has its `--name on|off|auto` flag in the bench,
+    and each flag reaches the engine's settings by its field's name."""
+    from minirt.bench import ON_OFF_SWITCHES, engine_kwargs_of
+    from minirt.config import AUTO_SWITCHES
+
+    assert sorted(name for name, _ in ON_OFF_SWITCHES) == sorted(AUTO_SWITCHES)
+    for name in AUTO_SWITCHES:
+        assert engine_kwargs_of(_bench_args("--" + name.replace("_", "-"), "off")) == {name: False}
+
+
 @pytest.mark.parametrize("argv,words", [(["--threads", "0"], "--threads: must be an integer >= 1"),
                                         (["--attention-backend", "triton"], "attention_backend: 'triton' needs"),
                                         (["--gemv", "on"], "gemv: the Triton matrix-vector kernel needs"),
