@@ -55,10 +55,8 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     asked["cuda_graphs"] = False if cfg.enforce_eager else None
     on = {}
     order = ["flash_attn", "triton", "split_kv", "cuda_graphs", "fused_ops", "merge_projections", "gemv", "norm_in_gemv",
-             "rotary_kernel", "pdl", "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch",
-             "silu_and_mul_kernel"]
+             "rotary_kernel", "pdl", "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch"]
     auto = {"fused_ops": lambda: hw.device_type == "cuda", "merge_projections": lambda: hw.device_type == "cuda",
-            "silu_and_mul_kernel": lambda: hw.device_type == "cuda",
             "gemv": lambda: on["cuda_graphs"], "rotary_kernel": lambda: on["cuda_graphs"],
             "pdl": lambda: on["cuda_graphs"], "combine_in_attention": lambda: False, "l2_prefetch": lambda: on["pdl"]}
     for name in order:
@@ -78,6 +76,10 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
         return "piecewise_graphs"
     on["piecewise_graphs"] = on["cuda_graphs"] if asked["piecewise_graphs"] is None else asked["piecewise_graphs"]
     on["async_scheduling"] = bool(asked["async_scheduling"])                  # None: off (measured)
+    if asked["silu_and_mul_kernel"] is True and not can_run("silu_and_mul_kernel", hw):
+        return "silu_and_mul_kernel"
+    on["silu_and_mul_kernel"] = (can_run("silu_and_mul_kernel", hw) and hw.device_type == "cuda"
+                                 if asked["silu_and_mul_kernel"] is None else asked["silu_and_mul_kernel"])
     return on
 
 
