@@ -8,10 +8,10 @@ rotation and K/V write at 74 us and the chunks' attention at ~250 us, where the 
 for their bytes at the copy bandwidth. This times, in one process, each of them as this tree runs it and as the tree
 under `--base` (a folder holding a `minirt/`, e.g. `git archive REV minirt | tar -x -C work/base`) runs it, plus the
 tile options this tree's kernels take, at 8,192 rows and at a decode burst's 256; and decode attention at 256
-sequences, to see that it did not move. Each timing is the median of CUDA-event timed calls on buffers larger than
-the L2 cache where the engine's are, several calls captured in one CUDA graph; each variant's output is checked against the base kernel's (max difference, and
-for the SiLU the share of elements that differ from eager torch). Writes `prefill-kernels-cuda-<date>.json` with the
-commit. Needs CUDA.
+sequences, to see that it did not move. Each timing is a median over replays of one CUDA graph holding several calls,
+on buffers larger than the L2 cache where the engine's are; each variant's output is checked against the base
+kernel's (max difference, and for the SiLU the share of elements that differ from eager torch). Writes
+`prefill-kernels-cuda-<date>.json` with the commit. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def load_base(base: str, name: str):
 def us(calls) -> float:
     """us per call of `calls` (a list of callables), all captured in one CUDA graph: the median of 15 replays. A graph,
     because launching from Python takes longer than many of these kernels run (a one-token launch timed alone
-    reads the host's 60 us)."""
+    reads the host's 65 us)."""
     return cuda_graph_seconds(lambda: [call() for call in calls]) * 1e6 / len(calls)
 
 

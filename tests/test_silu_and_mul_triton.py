@@ -64,6 +64,8 @@ def test_silu_and_mul_triton_refuses_what_it_cannot_read():
         silu_and_mul_triton(gate, up[..., :16])
     with pytest.raises(ValueError, match=r"^gate: each row's 32 values must be contiguous"):
         silu_and_mul_triton(gate.transpose(1, 2).contiguous().transpose(1, 2), up)
+    with pytest.raises(ValueError, match=r"^block_rows: must be a power of two, got 3"):
+        silu_and_mul_triton(gate, up, block_rows=3)
     empty = torch.empty(0, 32, device=TRITON_DEVICE)
     assert silu_and_mul_triton(empty, empty).shape == (0, 32)
 

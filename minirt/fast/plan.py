@@ -202,8 +202,8 @@ RULES: tuple[Rule, ...] = (
          "with multi-step decode"),
     Rule("piecewise_graphs", "piecewise CUDA graphs for steps with prefill chunks", lambda r: r.need("cuda_graphs"),
          lambda r: True, "with CUDA graphs"),
-    # auto keeps it off: in its one interleaved run (benchmarks/README.md, session 4) the throughput workload ran
-    # 0.8 % faster and its TTFT p50 13 % slower, not explained yet.
+    # auto keeps it off: in its two interleaved runs (benchmarks/README.md, sessions 4 and 5) the throughput workload
+    # ran 0.5-0.8 % faster and its TTFT p50 13-18 % slower, not explained yet.
     Rule("async_scheduling", "launching a step with prefill chunks before taking the tokens of the one before",
          _one_process, lambda r: False, "off (asked for by name only, until its TTFT cost is understood)"),
     Rule("silu_and_mul_kernel", "the Triton SiLU-and-multiply kernel", lambda r: list(r.hw.triton), _cuda,

@@ -44,11 +44,14 @@ def silu_and_mul_triton(gate: torch.Tensor, up: torch.Tensor, *, block_rows: int
     """`minirt.model.layers.silu_and_mul` in one kernel: gate, up `[..., I]` (same shape and dtype, on one device;
     each row contiguous, rows evenly strided, as the two halves of a merged gate/up projection are) -> a new
     contiguous `[..., I]` in their dtype. Computes in float32 and rounds after the SiLU and after the product, as
-    eager torch does. block_rows, block_cols (powers of two) and num_warps: the tile of one program (benchmarks sweep
-    them). Raises ValueError naming the argument for layouts it cannot read."""
+    eager torch does. block_rows, block_cols and num_warps (powers of two): the tile of one program (benchmarks sweep
+    them). Raises ValueError naming the argument for layouts it cannot read, or a tile that is not a power of two."""
     if up.shape != gate.shape or up.dtype != gate.dtype or up.device != gate.device:
         raise ValueError(f"up: must be {gate.dtype} {tuple(gate.shape)} on {gate.device} like gate, "
                          f"got {up.dtype} {tuple(up.shape)} on {up.device}")
+    for name, value in (("block_rows", block_rows), ("block_cols", block_cols), ("num_warps", num_warps)):
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{name}: must be a power of two, got {value!r}")
     intermediate = gate.shape[-1]
     num_rows = gate.numel() // intermediate if intermediate else 0
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
