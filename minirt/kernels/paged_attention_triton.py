@@ -167,21 +167,22 @@ def _kv_offsets(table, n, n_ok, kv_head, d, stride_kb, stride_ks, stride_kh, BLO
 def _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     """One step of the running softmax over the keys `n` (`[BLOCK_N]`; k and v `[BLOCK_N, HEAD_DIM]`, zero where
     masked): a query row sees the keys at or before its position. Returns the new (m_i, l_i, acc)."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-    else:
-        s = tl.dot(q, tl.trans(k)) * scale
+    s = _dot(q, tl.trans(k), IEEE) * scale
     s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no visible key yet: no NaN
     p = tl.exp(s - m_use[:, None])
     alpha = tl.exp(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
+
+
+@triton.jit
+def _dot(a, b, IEEE: tl.constexpr):
+    """`tl.dot`, in full float32 precision where IEEE (float32 inputs: no TF32)."""
     if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        return tl.dot(a, b, input_precision="ieee")
     else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+        return tl.dot(a, b)
 
 
 @triton.jit
@@ -191,10 +192,7 @@ def _attend_tile_exp2(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl
     scale and the subtraction in one FMA (FlashAttention-2 and Triton's fused-attention tutorial do the same).
     l_i and acc do not depend on the base, so the output is the same. MASK False: every key is visible to every
     row, so there is neither mask nor the guard for a row with no visible key."""
-    if IEEE:
-        s = tl.dot(q, tl.trans(k), input_precision="ieee")
-    else:
-        s = tl.dot(q, tl.trans(k))
+    s = _dot(q, tl.trans(k), IEEE)
     if MASK:
         s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
@@ -204,12 +202,7 @@ def _attend_tile_exp2(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, qk_scale, IEEE: tl
         m_use = m_new
     p = tl.exp2(s * qk_scale - m_use[:, None])
     alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    if IEEE:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-    else:
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
 
 
 @triton.jit
