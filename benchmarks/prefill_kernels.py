@@ -103,7 +103,7 @@ def rotary_rows(base_rotary, report: dict) -> None:
         variants = {"base": [lambda x=x: base_rotary.norm_rotate_and_store_triton(*x, cos, sin, qw, kw, 1e-6,
                                                                                  *caches["base"], slots)
                              for x in inputs]}
-        for name, kwargs in rotary_variants(rotary_triton, tokens):
+        for name, kwargs in rotary_variants(tokens):
             variants[name] = [lambda x=x, kw_=kwargs: rotary_triton.norm_rotate_and_store_triton(
                 *x, cos, sin, qw, kw, 1e-6, *caches["this"], slots, **kw_) for x in inputs]
         want = variants["base"][0]()
@@ -118,16 +118,13 @@ def rotary_rows(base_rotary, report: dict) -> None:
         print(f"rotary tokens={tokens}: " + ", ".join(f"{k[:-3]} {v:.1f}" for k, v in row.items() if k.endswith(" us")))
 
 
-def rotary_variants(module, tokens: int) -> list[tuple[str, dict]]:
-    """This tree's rotary kernel: its default, then the tile options it takes (`tokens_per_program`, `num_warps`)."""
-    import inspect
-
-    params = inspect.signature(module.norm_rotate_and_store_triton).parameters
+def rotary_variants(tokens: int) -> list[tuple[str, dict]]:
+    """This tree's rotary kernel: its default, then, for many tokens, the tile options it takes (`tokens_per_program`,
+    `num_warps`)."""
     variants = [("this", {})]
-    if tokens >= 64 and "tokens_per_program" in params:
-        for tpp in (1, 2, 4, 8):
-            for warps in (2, 4, 8):
-                variants.append((f"this t{tpp} w{warps}", {"tokens_per_program": tpp, "num_warps": warps}))
+    if tokens >= 64:
+        variants += [(f"this t{tpp} w{warps}", {"tokens_per_program": tpp, "num_warps": warps})
+                     for tpp in (1, 2, 4, 8) for warps in (2, 4, 8)]
     return variants
 
 
@@ -162,8 +159,6 @@ def attention_rows(base_attention, report: dict) -> None:
     """Attention of three steps: eight fresh 1,024-token chunks; a step of the workload's prefill phase (chunks of
     prompts of 100-1,024 tokens up to 8,192, some behind a cached prefix, with 128 decodes); a decode step of 256
     sequences half-way through the workload (contexts prompt + 256)."""
-    import inspect
-
     from minirt.kernels import paged_attention_triton as this
 
     gen = random.Random(0)
@@ -175,7 +170,6 @@ def attention_rows(base_attention, report: dict) -> None:
     mixed += [(1, gen.randint(100, 1024) + 5) for _ in range(128)]
     steps = {"eight 1024-token chunks": [(1024, 1024)] * 8, "workload prefill step": mixed,
              "256 decodes, contexts prompt + 256": [(1, gen.randint(100, 1024) + 256) for _ in range(256)]}
-    takes_tile = "chunk_tile" in inspect.signature(this.paged_attention_triton).parameters
     for label, seqs in steps.items():
         q, k_cache, v_cache, meta = attention_step(seqs, 1)
         row = {"step": label, "tokens": q.shape[0], "sequences": len(seqs),
@@ -186,7 +180,7 @@ def attention_rows(base_attention, report: dict) -> None:
         variants = {"base": lambda: base_attention.paged_attention_triton(q, k_cache, v_cache, meta),
                     "this": lambda: this.paged_attention_triton(q, k_cache, v_cache, meta)}
         reps = 4
-        if takes_tile and meta.max_query_len > 1:
+        if meta.max_query_len > 1:
             for rows, tile in ((128, (64, 8, 3)), (128, (128, 8, 3)), (128, (64, 4, 3)), (128, (32, 4, 3)),
                                (128, (32, 4, 2)), (128, (32, 4, 4)), (128, (32, 8, 3)), (128, (16, 4, 3)),
                                (64, (64, 4, 3)), (64, (32, 4, 3)), (64, (32, 2, 3)), (256, (64, 8, 3)),
