@@ -200,8 +200,10 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("prompt: this checkpoint has no tokenizer; pass token ids (a list of int)")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
-        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return None, list(prompt)
+        if isinstance(prompt, (list, tuple)):
+            kinds = set(map(type, prompt))            # ints, and no bool (a subclass of int): checked per type
+            if bool not in kinds and all(issubclass(kind, int) for kind in kinds):
+                return None, list(prompt)
         raise ValueError(f"prompt: must be a str or a list of int token ids, got {type(prompt).__name__}")
 
     def validate(self, prompt, params: SamplingParams | None, request_id: str | None = None
@@ -215,8 +217,8 @@ class Engine:
         if not ids:
             raise ValueError("prompt: is empty (needs at least one token)")
         vocab = self.model.config.vocab_size
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < vocab), None)
-        if bad is not None:
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(i for i, t in enumerate(ids) if not 0 <= t < vocab)
             raise ValueError(f"prompt: token id {ids[bad]} at index {bad} is outside the vocabulary [0, {vocab})")
         cfg = self.config
         total = len(ids) + params.max_new_tokens
@@ -242,7 +244,11 @@ class Engine:
     def _add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Validate and enqueue a request for the next steps; returns it. Raises ValueError for bad input.
         What `submit` and `minirt.LLM` (which drives `step` itself) share."""
-        text, ids, params = self.validate(prompt, params, request_id)
+        return self._enqueue(*self.validate(prompt, params, request_id), request_id)
+
+    def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None
+                 ) -> Request:
+        """Enqueue a request `validate` has accepted (its `(text, ids, params)`); returns it."""
         if request_id is None:
             request_id = f"req-{next(self._ids)}"
             while request_id in self.requests:

@@ -61,13 +61,12 @@ class LLM:
         engine = self.engine
         if engine._loop_task is not None:
             raise RuntimeError("LLM.generate: the engine's asyncio loop is running; use `await engine.generate(...)`")
-        for prompt, p in zip(prompts, params):
-            engine.validate(prompt, p)
+        checked = [engine.validate(prompt, p) for prompt, p in zip(prompts, params)]     # (text, ids, params)
         requests = []
         try:
             with interrupts_between_steps() as interrupted:
-                for prompt, p in zip(prompts, params):
-                    requests.append(engine._add_request(prompt, p))
+                for text, ids, p in checked:
+                    requests.append(engine._enqueue(text, ids, p))
                 while not interrupted():
                     if all(r.is_finished for r in requests):
                         break

@@ -418,7 +418,7 @@ def test_an_interrupt_inside_a_step_waits_for_the_step_to_end(tiny_models):
     _assert_all_free(engine)
     assert not engine.requests and not engine.scheduler.has_work()
 
-    add, added = engine._add_request, []
+    add, added = engine._enqueue, []
 
     def add_then_interrupt(*args):
         added.append(add(*args))
@@ -426,10 +426,10 @@ def test_an_interrupt_inside_a_step_waits_for_the_step_to_end(tiny_models):
             os.kill(os.getpid(), signal.SIGINT)
         return added[-1]
 
-    engine._add_request = add_then_interrupt
+    engine._enqueue = add_then_interrupt
     with pytest.raises(KeyboardInterrupt):
         llm.generate(prompts, greedy(5))
-    del engine._add_request
+    del engine._enqueue
     assert not engine.requests and not engine.scheduler.has_work()
     _assert_all_free(engine)
     outs = llm.generate(prompts, greedy(4))
