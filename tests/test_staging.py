@@ -8,11 +8,12 @@ and the copy asynchronous.
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from minirt.fast.staging import InputStaging
-from minirt.model_runner import ModelRunner, StepInputs
+from minirt.fast.staging import InputStaging, prepare_step
+from minirt.model_runner import ModelRunner, StepInputs, pad_block_tables
 from minirt.request import Request
 from minirt.sampling import SamplingParams
 
@@ -21,9 +22,18 @@ DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 
 def random_step(rng: random.Random, block_size: int, num_seqs: int, max_len: int, finish: bool | None = None
                 ) -> StepInputs:
-    """A packed batch of decodes and prefill chunks of random requests (block tables from a shuffled pool). A chunk
-    that does not reach the end of its prompt is not sampled: finish=None mixes both, False makes every row such a
-    chunk (no row to sample)."""
+    """`random_items`' batch through the reference's `prepare_lists`."""
+    runner = ModelRunner.__new__(ModelRunner)        # prepare_lists needs only the block size
+    runner.block_size = block_size
+    return runner.prepare_lists(random_items(rng, block_size, num_seqs, max_len, finish))
+
+
+def random_items(rng: random.Random, block_size: int, num_seqs: int, max_len: int, finish: bool | None = None,
+                 ahead: int = 0) -> list:
+    """A batch of decodes and prefill chunks of random requests, as `(request, num_new_tokens)` (block tables from a
+    shuffled pool, up to `ahead` more blocks than the request's tokens need, as bursts allocate them). A chunk that
+    does not reach the end of its prompt is not sampled: finish=None mixes both, False makes every row such a chunk
+    (no row to sample)."""
     pool = list(range(4 * num_seqs * (max_len // block_size + 1)))
     rng.shuffle(pool)
     items = []
@@ -38,15 +48,34 @@ def random_step(rng: random.Random, block_size: int, num_seqs: int, max_len: int
             left = rng.randint(1, length - 1 - request.num_computed_tokens)
         elif finish is None and rng.random() < 0.4:
             left = rng.randint(1, left)                          # a chunk that may stop short of the prompt's end
-        request.block_table = [pool.pop() for _ in range(-(-length // block_size))]
+        request.block_table = [pool.pop() for _ in range(-(-length // block_size) + rng.randint(0, ahead))]
         items.append((request, left))
-    runner = ModelRunner.__new__(ModelRunner)        # prepare_lists needs only the block size
-    runner.block_size = block_size
-    return runner.prepare_lists(items)
+    return items
 
 
+def test_prepare_step_equals_the_reference_prepare_lists():
+    """`prepare_step` (numpy) against the reference's `prepare_lists` (a Python loop over the tokens, chapter 05) on
+    random batches: every field equal, the block tables as `pad_block_tables` pads them to the longest context's
+    blocks; block sizes 1 to 16, tables longer than the context (blocks allocated ahead), one-row batches."""
+    rng = random.Random(11)
+    for case in range(300):
+        block_size = rng.choice([1, 2, 4, 16])
+        items = random_items(rng, block_size, rng.randint(1, 12), rng.randint(2, 90), rng.choice([None, False]),
+                             ahead=rng.choice([0, 3]))
+        reference = ModelRunner.__new__(ModelRunner)
+        reference.block_size = block_size
+        want, got = reference.prepare_lists(items), prepare_step(items, block_size)
+        for name in ("input_ids", "positions", "slots", "query_start_loc", "context_lens", "sample_rows"):
+            assert list(getattr(got, name)) == getattr(want, name), (case, name)
+        assert got.sample_requests == want.sample_requests and got.max_query_len == want.max_query_len, case
+        width = -(-max(want.context_lens) // block_size)
+        assert got.block_tables.tolist() == pad_block_tables(want.block_tables, width), case
+        assert all(isinstance(getattr(got, name), np.ndarray) for name in ("input_ids", "positions", "slots")), case
+
+
+@pytest.mark.parametrize("prepared", ["prepare_lists", "prepare_step"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_send_equals_the_reference_to_device(device):
+def test_send_equals_the_reference_to_device(device, prepared):
     rng = random.Random(5)
     block_size = 4
     reference = ModelRunner.__new__(ModelRunner)
@@ -58,9 +87,10 @@ def test_send_equals_the_reference_to_device(device):
     sampled = []
     for num_seqs, max_len, finish in [(6, 60, None), (3, 9, None), (1, 2, None), (5, 40, None), (12, 200, None),
                                       (4, 30, False), (2, 5, None), (9, 50, None)]:
-        step = random_step(rng, block_size, num_seqs, max_len, finish)
+        items = random_items(rng, block_size, num_seqs, max_len, finish, ahead=2)
+        step = reference.prepare_lists(items)
         sampled.append(len(step.sample_rows))
-        ids, positions, meta, rows = staging.send(step)
+        ids, positions, meta, rows = staging.send(step if prepared == "prepare_lists" else prepare_step(items, 4))
         grew.append(staging.host.numel())
         want_ids, want_positions, want = reference.to_device(step)
         assert torch.equal(ids, want_ids) and torch.equal(positions, want_positions)

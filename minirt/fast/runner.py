@@ -16,7 +16,7 @@ from minirt.fast.attention import KernelPagedAttention, attention_kernels
 from minirt.fast.cuda_graphs import DecodeGraphs
 from minirt.fast.layers import speed_up_model
 from minirt.fast.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
-from minirt.fast.staging import InputStaging
+from minirt.fast.staging import InputStaging, prepare_step
 from minirt.kv.paged_cache import allocate_kv_cache
 from minirt.model.decoder import DecoderModel
 from minirt.model_runner import ModelRunner, StepInputs, pad_block_tables
@@ -42,6 +42,13 @@ class FastModelRunner(ModelRunner):
 
     def attention(self, meta) -> KernelPagedAttention:
         return KernelPagedAttention(self.kv_cache, meta, self.kernel, self.store)
+
+    def prepare_lists(self, items: list[tuple[Request, int]]) -> StepInputs:
+        """A step with a prefill chunk of two or more tokens through `prepare_step` (numpy arrays; what
+        `InputStaging.send` copies); the others (the decode graphs and bursts take them) as the reference builds them."""
+        if all(n == 1 for _, n in items):
+            return super().prepare_lists(items)
+        return prepare_step(items, self.block_size)
 
     def forward(self, step: StepInputs, fill: Callable | None = None) -> torch.Tensor:
         """Hidden states `[num_sampled, hidden]` of the sampled rows: through a decode graph where there is one for

@@ -7,10 +7,17 @@ written into one pinned host buffer and copied with one asynchronous copy; the t
 of its device twin. The rows to sample go with them, so that selecting them launches a gather instead of waiting
 for the forward to finish. vLLM's GPU model runner keeps its inputs in pinned CPU/GPU buffer pairs the same way
 (`CpuGpuBuffer`); nano-vllm copies with `pin_memory().cuda(non_blocking=True)`.
+
+`prepare_step` builds a step with prefill chunks as the reference's `prepare_lists` does, with numpy instead of a
+Python loop over its tokens: a step of 8,192 tokens is 8,192 slots computed one by one in Python there, while the GPU
+waits for them. vLLM builds its inputs the same way (numpy views of its CPU buffers, `_prepare_inputs`).
 """
 
 from __future__ import annotations
 
+import itertools
+
+import numpy as np
 import torch
 
 from minirt.attention import PagedAttentionMetadata
@@ -18,6 +25,35 @@ from minirt.config import cdiv
 from minirt.model_runner import StepInputs
 
 ALIGN = 16                 # int64 entries: each view of the buffer starts at a multiple of 128 bytes
+
+
+def prepare_step(items: list, block_size: int) -> StepInputs:
+    """`ModelRunner.prepare_lists(items)` with its per-token fields built by numpy: input_ids, positions and slots
+    are int64 arrays `[num_tokens]`, and block_tables an int64 array `[num_seqs, W]`, each request's table cut or
+    padded with block 0 to the W blocks of the step's longest context (`pad_block_tables`); the other fields are the
+    reference's lists. Slot of position p: `table[p // block_size] * block_size + p % block_size`."""
+    num_seqs = len(items)
+    counts = np.fromiter((n for _, n in items), np.int64, num_seqs)
+    starts = np.fromiter((r.num_computed_tokens for r, _ in items), np.int64, num_seqs)
+    ends = starts + counts
+    query_start_loc = np.zeros(num_seqs + 1, np.int64)
+    np.cumsum(counts, out=query_start_loc[1:])
+    num_tokens = int(query_start_loc[-1])
+    input_ids = np.fromiter(itertools.chain.from_iterable(
+        r.token_ids[a:a + n] for (r, n), a in zip(items, starts.tolist())), np.int64, num_tokens)
+    row = np.repeat(np.arange(num_seqs), counts)                       # each token's sequence
+    positions = np.arange(num_tokens) + (starts - query_start_loc[:-1])[row]
+    width = -(-int(ends.max()) // block_size)
+    lengths = np.minimum(np.fromiter((len(r.block_table) for r, _ in items), np.int64, num_seqs), width)
+    block_tables = np.zeros((num_seqs, width), np.int64)
+    block_tables[np.arange(width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(
+        r.block_table[:width] for r, _ in items), np.int64, int(lengths.sum()))
+    slots = block_tables[row, positions // block_size] * block_size + positions % block_size
+    sampled = [i for i, (r, _) in enumerate(items) if ends[i] == len(r.token_ids)]
+    return StepInputs(input_ids=input_ids, positions=positions, slots=slots,
+                      query_start_loc=query_start_loc.tolist(), context_lens=ends.tolist(),
+                      block_tables=block_tables, sample_rows=[int(query_start_loc[i + 1]) - 1 for i in sampled],
+                      sample_requests=[items[i][0] for i in sampled], max_query_len=int(counts.max()))
 
 
 class InputStaging:
@@ -64,10 +100,13 @@ class InputStaging:
         for name, size in sizes.items():
             host[starts[name]:starts[name] + size] = getattr(step, name)
         tables = host[at:at + s * width].reshape(s, width)
-        for row, table in enumerate(step.block_tables):
-            k = min(len(table), width)
-            tables[row, :k] = table[:k]
-            tables[row, k:] = 0
+        if isinstance(step.block_tables, np.ndarray):                 # `prepare_step`'s, padded to this width
+            tables[:] = step.block_tables
+        else:
+            for row, table in enumerate(step.block_tables):
+                k = min(len(table), width)
+                tables[row, :k] = table[:k]
+                tables[row, k:] = 0
         self.buffer[:total].copy_(self.host[:total], non_blocking=self.pin)
         if self.pin:
             self.copied = torch.cuda.Event()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from minirt.fast.runner import FastModelRunner, fast_parts
 from minirt.model.decoder import DecoderModel
+from minirt.model_runner import ModelRunner
 from minirt.parallel.sharding import Communicator, check_shardable, shard_model
 from minirt.parallel.workers import STEP_TIMEOUT_S, RankGroup, RankSpec, free_port, receive_step, send_step
 from minirt.request import Request
@@ -40,7 +41,7 @@ class TensorParallelRunner(FastModelRunner):
         self.comm: Communicator = model.comm
 
     def prepare_lists(self, items):
-        step = super().prepare_lists(items)
+        step = ModelRunner.prepare_lists(self, items)   # the reference's lists, which `send_step` packs
         if self.rank == 0 and self.group.processes:     # the other ranks build nothing: they get rank 0's lists
             send_step(step, self.control, self.group.spec.step_timeout_s)
         return step
