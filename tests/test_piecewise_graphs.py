@@ -19,7 +19,7 @@ from minirt.fast import Plan
 from minirt.fast.layers import speed_up_model
 from minirt.fast.ops import ModelKernels, norm_rotate_and_store
 from minirt.fast.piecewise_graphs import PiecewiseGraphs, capture_sizes
-from minirt.fast.runner import FastModelRunner
+from minirt.fast.runner import FastModelRunner, padded_rows
 from minirt.kv.paged_cache import allocate_kv_cache
 from test_cuda_graphs import spy_on          # the token counts of the steps that went through `run`
 
@@ -173,3 +173,33 @@ def test_attention_calls_keep_only_the_static_buffers(tiny_model_path, kv_write_
         assert len(calls) == pieces.model.config.num_hidden_layers
         assert all(len(c.inputs) == (1 if kv_write_in_rotary else 3) for c in calls)
         assert {t.untyped_storage().data_ptr() for c in calls for t in (*c.inputs, c.out)} <= static
+
+
+def test_greedy_sampler_pads_rows_to_its_sizes(tiny_model_path):
+    """With `sample_sizes` set (on CUDA, the decode graphs' batch sizes, warmed up at construction), a greedy step's
+    sampled rows are padded with zero rows to the next size before the LM head, and their tokens cut back: every LM
+    head call sees one of the sizes (or more rows than the largest, unpadded), some steps needed the padding, and
+    the tokens are transformers'."""
+    llm = piecewise_engine(tiny_model_path, False, max_num_seqs=6, max_num_batched_tokens=40, max_prefill_chunk=24)
+    runner = llm.engine.model_runner
+    runner.sample_sizes = [2, 5]
+    head, rows, wanted = runner.model.lm_head, [], []
+    head.register_forward_pre_hook(lambda module, args: rows.append(args[0].shape[0]))
+    sample, got = runner.sample, []
+
+    def watched(hidden, requests):
+        wanted.append(len(requests))
+        got.append(sample(hidden, requests))
+        return got[-1]
+
+    runner.sample = watched
+    rng = random.Random(9)
+    prompts = random_prompts(25, [rng.randint(5, 30) for _ in range(7)])
+    ns = [rng.randint(2, 12) for _ in prompts]
+    outs = llm.generate(prompts, [greedy(n) for n in ns])
+    for p, o, n in zip(prompts, outs, ns):
+        assert o.token_ids == hf_greedy(tiny_model_path, p, n), f"prompt len {len(p)}"
+    assert rows == [padded_rows(n, [2, 5]) for n in wanted], (rows, wanted)
+    assert [len(tokens) for tokens in got] == wanted                          # the padding's tokens cut off
+    assert {1, 4} & set(wanted) and 6 in wanted, sorted(set(wanted))         # padded, and unpadded past 5
+    assert [padded_rows(r, [1, 2, 4, 16]) for r in (1, 3, 4, 5, 16, 17)] == [1, 4, 4, 16, 16, 17]

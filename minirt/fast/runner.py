@@ -4,6 +4,7 @@ steps with prefill chunks, and multi-step decode's bursts (`FastModelRunner`), b
 
 from __future__ import annotations
 
+import bisect
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -13,7 +14,7 @@ import torch
 from minirt.attention import PagedAttentionMetadata
 from minirt.config import cdiv
 from minirt.fast.attention import KernelPagedAttention, attention_kernels
-from minirt.fast.cuda_graphs import DecodeGraphs
+from minirt.fast.cuda_graphs import DecodeGraphs, capture_sizes
 from minirt.fast.layers import speed_up_model
 from minirt.fast.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
 from minirt.fast.staging import InputStaging, prepare_step
@@ -39,6 +40,7 @@ class FastModelRunner(ModelRunner):
         self.advance = advance or advance_decode_inputs   # a burst's inputs from step to step (its contract)
         self.staging = InputStaging(self.device, block_size)
         self.decode_graphs, self.piecewise_graphs = decode_graphs, piecewise_graphs
+        self.sample_sizes: list[int] = []       # the greedy sampler's row counts (`padded_rows`); none: no padding
 
     def attention(self, meta) -> KernelPagedAttention:
         return KernelPagedAttention(self.kv_cache, meta, self.kernel, self.store)
@@ -218,17 +220,37 @@ class FastModelRunner(ModelRunner):
             return tables.to(self.device)
         return tables.pin_memory().to(self.device, non_blocking=True)     # no wait for the steps in flight
 
+    def sample(self, hidden: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """`ModelRunner.sample`, greedy batches padded as `_sampler` pads them."""
+        return self._sampler(requests)(hidden)
+
     def _sampler(self, requests: list[Request]):
-        """hidden `[num_requests, hidden]` -> next tokens: `ModelRunner.sample` with its tensors built once."""
+        """hidden `[num_requests, hidden]` -> next tokens `[num_requests]`: `ModelRunner.sample` with its tensors
+        built once. A greedy batch's rows are padded with zeros to the next of `sample_sizes` (`padded_rows`): the
+        LM head's GEMM then runs at shapes `warm_up_sampler` has run before. On its first call at a new shape cuBLAS
+        loads and picks its kernel, and the host waits there for every kernel queued before (a step's whole forward),
+        while it should be preparing the next step."""
         tensors = self.sampling_tensors(requests)
         generators = [r.generator for r in requests]
 
         def next_tokens(hidden):
             if tensors is None:     # greedy: the argmax of the logits in the model's dtype is the argmax of their
-                return self.model.lm_head(hidden).argmax(dim=-1)     # float32 copy (exact), without the copy
+                rows = hidden.shape[0]                              # float32 copy (exact), without the copy
+                padded = padded_rows(rows, self.sample_sizes)
+                if padded != rows:
+                    hidden = torch.nn.functional.pad(hidden, (0, 0, 0, padded - rows))
+                return self.model.lm_head(hidden).argmax(dim=-1)[:rows]
             return sample(self.model.compute_logits(hidden), *tensors, generators)
 
         return next_tokens
+
+    @torch.inference_mode()
+    def warm_up_sampler(self) -> None:
+        """Run the greedy sampler's LM head and argmax once at every size of `sample_sizes` (vLLM's
+        `_dummy_sampler_run` warms its sampler at start-up the same way)."""
+        for size in self.sample_sizes:
+            hidden = torch.zeros(size, self.model.config.hidden_size, dtype=self.model.dtype, device=self.device)
+            self.model.lm_head(hidden).argmax(dim=-1)
 
     def _more_steps(self, burst: "DecodeBurst", last: torch.Tensor, num_steps: int) -> None:
         """Launch `num_steps` steps of `burst`, the first one's inputs made from the tokens `last`."""
@@ -277,6 +299,12 @@ class StepInFlight:
     tokens: torch.Tensor
     host_tokens: torch.Tensor
     copied: torch.cuda.Event | None = None
+
+
+def padded_rows(rows: int, sizes: list[int]) -> int:
+    """The smallest of `sizes` (ascending) that holds `rows`, or `rows` itself when none does."""
+    at = bisect.bisect_left(sizes, rows)
+    return sizes[at] if at < len(sizes) else rows
 
 
 def advance_decode_inputs(next_ids: torch.Tensor, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -345,4 +373,8 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
         from minirt.fast.ops import fused
 
         advance = fused(advance_decode_inputs)
-    return FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces, advance)
+    runner = FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces, advance)
+    if model.device.type == "cuda":
+        runner.sample_sizes = capture_sizes(max_num_seqs)       # the decode graphs' batch sizes
+        runner.warm_up_sampler()
+    return runner
