@@ -563,7 +563,7 @@ ON_OFF_SWITCHES = (
     ("piecewise_graphs", "minirt replays steps with prefill chunks as CUDA graphs cut at each attention call (auto: "
                          "with CUDA graphs)"),
     ("async_scheduling", "minirt launches a step with prefill chunks before taking the tokens of the one before (auto: "
-                         "off)"),
+                         "with piecewise CUDA graphs)"),
     ("silu_and_mul_kernel", "minirt's SiLU-and-multiply in a Triton kernel (auto: on CUDA where Triton runs)"),
 )
 

@@ -54,7 +54,7 @@ class EngineConfig:
     multi-step decode, the next burst of the same requests is launched before the host takes this one's tokens.
     piecewise_graphs: steps with prefill chunks replay CUDA graphs cut at each attention call, attention launched
     between the pieces. async_scheduling: a step with prefill chunks is scheduled and launched before the host takes
-    the tokens of the one before (their rows read them on the device); None keeps it off (measured, see the plan).
+    the tokens of the one before (their rows read them on the device); None: with piecewise graphs.
     silu_and_mul_kernel: SwiGLU's SiLU-and-multiply by a Triton kernel (in place of the compiled or eager one).
     """
 

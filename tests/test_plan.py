@@ -75,7 +75,7 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     if asked["piecewise_graphs"] is True and not on["cuda_graphs"]:
         return "piecewise_graphs"
     on["piecewise_graphs"] = on["cuda_graphs"] if asked["piecewise_graphs"] is None else asked["piecewise_graphs"]
-    on["async_scheduling"] = bool(asked["async_scheduling"])                  # None: off (measured)
+    on["async_scheduling"] = on["piecewise_graphs"] if asked["async_scheduling"] is None else asked["async_scheduling"]
     if asked["silu_and_mul_kernel"] is True and not can_run("silu_and_mul_kernel", hw):
         return "silu_and_mul_kernel"
     on["silu_and_mul_kernel"] = (can_run("silu_and_mul_kernel", hw) and hw.device_type == "cuda"
@@ -113,7 +113,7 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
                         merge_projections=True, gemv=True, num_scheduler_steps=8, norm_in_gemv=True,
                         rotary_kernel=True, pdl=True, kv_write_in_rotary=True, combine_in_attention=False,
                         prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True, piecewise_graphs=True,
-                        async_scheduling=False, silu_and_mul_kernel=True)
+                        async_scheduling=True, silu_and_mul_kernel=True)
     with pytest.raises(Exception):
         plan.gemv = False                                       # frozen: what runs is what the plan says
 

@@ -14,7 +14,7 @@ multi-step decode. Blocks stay safe: everything that reuses a freed block is lau
 write it, on the same stream.
 
 Only steps with a prefill chunk of two or more tokens are launched this way; the others (decodes, which bursts or the
-decode graphs run from the host's tokens) first wait for the step in flight. Off unless asked for (`RULES`).
+decode graphs run from the host's tokens) first wait for the step in flight. On with piecewise graphs (`RULES`).
 """
 
 from __future__ import annotations
