@@ -37,15 +37,16 @@ from torch.profiler import ProfilerActivity, profile
 
 import minirt
 from minirt.bench import (
+    SETTINGS_OPTION,
     WORKLOADS,
     build_random_qwen3,
     copy_bandwidth,
     cuda_script_args,
     cuda_seconds,
     make_prompts,
-    parse_engine_settings,
     report_header,
     run_minirt,
+    script_settings,
     write_report,
 )
 
@@ -371,15 +372,9 @@ def attention_sweep(device, quick: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (["--quick"], {"action": "store_true"}),
-                            (["--no-sweep"], {"action": "store_true"}),
-                            (["--settings"], {"default": "", "metavar": "field=value,...",
-                                              "help": "engine settings instead of the defaults (ab.py's syntax)"}))
-    if args is None:
-        return 2
-    try:
-        _, settings = parse_engine_settings("profile:" + args.settings, "--settings")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+                            (["--no-sweep"], {"action": "store_true"}), SETTINGS_OPTION)
+    settings = None if args is None else script_settings(args.settings)
+    if settings is None:
         return 2
     device = torch.device("cuda")
     report = {**report_header(device), "quick": args.quick, "settings": settings}

@@ -27,8 +27,8 @@ import time
 import torch
 
 import minirt
-from minirt.bench import (WORKLOADS, build_random_qwen3, cuda_script_args, make_prompts, parse_engine_settings,
-                          report_header, write_report)
+from minirt.bench import (SETTINGS_OPTION, WORKLOADS, build_random_qwen3, cuda_script_args, make_prompts,
+                          report_header, script_settings, write_report)
 
 WRAPPED = (("scheduler", "schedule"), ("engine", "postprocess"), ("runner", "prepare_lists"), ("runner", "forward"),
            ("runner", "sample"), ("runner", "finish_step"), ("runner", "finish_decode_steps"), ("runner", "execute"),
@@ -51,16 +51,10 @@ def wrap(obj, name: str, log: list) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cuda_script_args(__doc__, __file__, argv,
-                            (["--settings"], {"default": "", "metavar": "field=value,...",
-                                              "help": "engine settings instead of the defaults (ab.py's syntax)"}),
+    args = cuda_script_args(__doc__, __file__, argv, SETTINGS_OPTION,
                             (["--tag"], {"default": "", "help": "a suffix of the JSON's name"}))
-    if args is None:
-        return 2
-    try:
-        _, settings = parse_engine_settings("timeline:" + args.settings, "--settings")
-    except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
+    settings = None if args is None else script_settings(args.settings)
+    if settings is None:
         return 2
     device = torch.device("cuda")
     report = {**report_header(device), "settings": settings}

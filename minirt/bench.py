@@ -347,6 +347,21 @@ def parse_engine_settings(text: str, flag: str = "--config") -> tuple[str, dict]
     return name, kwargs
 
 
+#: A CUDA script's `--settings field=value,...` (`cuda_script_args`' extra): engine settings instead of the defaults.
+SETTINGS_OPTION = (["--settings"], {"default": "", "metavar": "field=value,...",
+                                    "help": "engine settings instead of the defaults (ab.py's syntax)"})
+
+
+def script_settings(text: str) -> dict | None:
+    """The engine settings of a script's `--settings` text (`parse_engine_settings`' syntax, no NAME), or None once
+    the error is printed to stderr (the script then exits with 2)."""
+    try:
+        return parse_engine_settings("script:" + text, "--settings")[1]
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return None
+
+
 def report_header(device: torch.device) -> dict:
     """What every benchmark report starts with: the device, the library versions (`environment`), the commit
     measured (`commit`) and the date."""
