@@ -71,6 +71,12 @@ def test_prepare_step_equals_the_reference_prepare_lists():
         width = -(-max(want.context_lens) // block_size)
         assert got.block_tables.tolist() == pad_block_tables(want.block_tables, width), case
         assert all(isinstance(getattr(got, name), np.ndarray) for name in ("input_ids", "positions", "slots")), case
+    request = items[-1][0]
+    request.block_table = request.block_table[:(request.num_computed_tokens + items[-1][1] - 1) // block_size]
+    with pytest.raises(IndexError):                   # the reference's lookup past the table
+        reference.prepare_lists(items)
+    with pytest.raises(ValueError, match=rf"^block_table: .* request {request.request_id}'s context"):
+        prepare_step(items, block_size)
 
 
 @pytest.mark.parametrize("prepared", ["prepare_lists", "prepare_step"])

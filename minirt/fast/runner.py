@@ -374,7 +374,7 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
 
         advance = fused(advance_decode_inputs)
     runner = FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces, advance)
-    if model.device.type == "cuda":
+    if model.device.type == "cuda":       # (not for tensor parallelism: its other ranks run the LM head unpadded)
         runner.sample_sizes = capture_sizes(max_num_seqs)       # the decode graphs' batch sizes
         runner.warm_up_sampler()
     return runner

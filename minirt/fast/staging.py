@@ -31,7 +31,8 @@ def prepare_step(items: list, block_size: int) -> StepInputs:
     """`ModelRunner.prepare_lists(items)` with its per-token fields built by numpy: input_ids, positions and slots
     are int64 arrays `[num_tokens]`, and block_tables an int64 array `[num_seqs, W]`, each request's table cut or
     padded with block 0 to the W blocks of the step's longest context (`pad_block_tables`); the other fields are the
-    reference's lists. Slot of position p: `table[p // block_size] * block_size + p % block_size`."""
+    reference's lists. Slot of position p: `table[p // block_size] * block_size + p % block_size`. Raises ValueError
+    naming block_table where a request's table holds fewer blocks than its context needs."""
     num_seqs = len(items)
     counts = np.fromiter((n for _, n in items), np.int64, num_seqs)
     starts = np.fromiter((r.num_computed_tokens for r, _ in items), np.int64, num_seqs)
@@ -44,7 +45,12 @@ def prepare_step(items: list, block_size: int) -> StepInputs:
     row = np.repeat(np.arange(num_seqs), counts)                       # each token's sequence
     positions = np.arange(num_tokens) + (starts - query_start_loc[:-1])[row]
     width = -(-int(ends.max()) // block_size)
-    lengths = np.minimum(np.fromiter((len(r.block_table) for r, _ in items), np.int64, num_seqs), width)
+    held = np.fromiter((len(r.block_table) for r, _ in items), np.int64, num_seqs)
+    if (short := np.flatnonzero(held * block_size < ends)).size:     # the reference's slot lookup would fail there
+        i = int(short[0])
+        raise ValueError(f"block_table: {held[i]} blocks of {block_size} tokens hold fewer than the "
+                         f"{ends[i]} tokens of request {items[i][0].request_id}'s context")
+    lengths = np.minimum(held, width)
     block_tables = np.zeros((num_seqs, width), np.int64)
     block_tables[np.arange(width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(
         r.block_table[:width] for r, _ in items), np.int64, int(lengths.sum()))
