@@ -55,11 +55,12 @@ def prepare_step(items: list, block_size: int) -> StepInputs:
     block_tables[np.arange(width) < lengths[:, None]] = np.fromiter(itertools.chain.from_iterable(
         r.block_table[:width] for r, _ in items), np.int64, int(lengths.sum()))
     slots = block_tables[row, positions // block_size] * block_size + positions % block_size
-    sampled = [i for i, (r, _) in enumerate(items) if ends[i] == len(r.token_ids)]
+    known = np.fromiter((len(r.token_ids) for r, _ in items), np.int64, num_seqs)
+    sampled = np.flatnonzero(ends == known)                          # chunks that reach the end of what is known
     return StepInputs(input_ids=input_ids, positions=positions, slots=slots,
                       query_start_loc=query_start_loc.tolist(), context_lens=ends.tolist(),
-                      block_tables=block_tables, sample_rows=[int(query_start_loc[i + 1]) - 1 for i in sampled],
-                      sample_requests=[items[i][0] for i in sampled], max_query_len=int(counts.max()))
+                      block_tables=block_tables, sample_rows=(query_start_loc[sampled + 1] - 1).tolist(),
+                      sample_requests=[items[i][0] for i in sampled.tolist()], max_query_len=int(counts.max()))
 
 
 class InputStaging:
