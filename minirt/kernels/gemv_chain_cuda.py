@@ -1,0 +1,312 @@
+"""The layers' GEMV chain at batch 1 in one persistent CUDA kernel, weights streamed through shared memory: the
+second step toward a batch-1 "megakernel" (issue 23; not used by the engine yet).
+
+`minirt.kernels.gemv_chain_triton` put a layer's four GEMVs in one Triton launch with grid barriers between them and
+was slower than the four kernels with PDL (19.8 against 13.4 us per layer, `benchmarks/README.md`): after each
+barrier every program starts its loads from nothing. Here (`gemv_chain_cuda.cu`, CUDA C++, built on first use by
+nvcc into a shared library that ctypes loads) one block per SM runs every layer of the chain; each block owns fixed
+output rows of each product, and a producer warp streams all of its weights, layer after layer, through a ring of
+shared-memory stages with the bulk-copy engine, waiting only for a free stage. Eight consumer warps wait for the
+previous product's output (a grid barrier, or a flag per block), then find their tiles already loaded. The memory
+can stream through the waits; what remains per product is the latency of the wait, the input's load and the
+epilogue (Hazy Research's Llama-1B megakernel, 2025, and the warp-specialized pipelines of CUTLASS's Hopper kernels
+work so). So far it is slower than the four kernels with PDL: `benchmarks/README.md` (issue 23, session 7) has the
+figures, a breakdown by part (`skip`) and per-block timelines (`timeline`).
+
+Per layer (bf16; the stream s0 of layer 0 is `residual`, or x itself when None; later layers' is the layer before's
+s2, kept in each block's shared memory):
+
+    qkv, s1 = gemv(x, W_qkv, norm g1, residual s0)
+    o       = gemv(qkv[:K_o], W_o)
+    act, s2 = gemv(o, W_gate_up, norm g2, residual s1, silu_and_mul)
+    x       = gemv(act, W_down)
+
+with `linear_gemv`'s arithmetic (float32 sums, the stream rounded to bf16, rstd * dot(w, g * s), gate and up
+rounded before silu(gate) * up); only the order of the sums differs, so results agree with the four `linear_gemv`
+calls to bf16 rounding, not bit for bit. Needs a Hopper GPU (compute capability 9.0: the bulk copy) and nvcc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from minirt.kernels import num_sms
+
+SOURCE = Path(__file__).with_name("gemv_chain_cuda.cu")
+STAGE_BYTES = 16384         # one stage of the ring by default (gemv_chain_cuda.cu's MINIRT_STAGE_BYTES)
+CONSUMER_WARPS = 8
+MAX_STEPS = 4               # a warp reads at most MAX_STEPS x 256 columns of a row
+MAX_TILES = 16              # stage tiles per block per product (the kernel's lane-sum buffer)
+BARRIER_BYTES = 16          # a stage's two mbarriers
+MAX_X_VECS = 4              # a product reads at most MAX_X_VECS x 8 x 256 input columns
+# gemv_chain_cuda.cu's Params::flags: leave out the grid barriers, the input loads, the dot products, the weight stream
+SKIP_BARRIERS, SKIP_PROLOGUE, SKIP_DOTS, SKIP_STREAM = 1, 2, 4, 8
+# ... and how the blocks wait for each other (see `gemv_chain_layers`' sync)
+SYNC_MODES = {"barrier": 0, "barrier-backoff": 32, "flags": 16, "flags-backoff": 16 | 32}
+FLAG_STRIDE = 32            # int32s per block's flag in the sync buffer (128 bytes)
+#: What `gemv_chain_layers(timeline=...)` records per block and product (the SM's clock, `clock64`)
+TIMELINE_STAMPS = ("start", "waited", "input loaded", "first stage", "stages done", "epilogue done",
+                   "first copy issued", "last copy issued")
+
+
+class ChainOutputs(NamedTuple):
+    """The last layer's products and streams, each `[1, n]`; `out` is the chain's result (the last x)."""
+
+    qkv: torch.Tensor
+    stream_attn: torch.Tensor        # s1
+    o: torch.Tensor
+    act: torch.Tensor
+    stream_mlp: torch.Tensor         # s2
+    out: torch.Tensor
+
+
+def reference_chain(x: torch.Tensor, layers, residual: torch.Tensor | None = None, eps: float = 1e-6) -> ChainOutputs:
+    """The chain of the module docstring in float64 torch (`rms_norm`, `F.linear`, `silu`), rounded to bf16 where
+    the kernel rounds (the streams, each product, gate and up, act): the oracle its tests and benchmark compare
+    with. Any device; the results are float64."""
+    b = lambda t: t.to(torch.bfloat16).double()  # noqa: E731
+
+    def norm(s, g):
+        return s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+
+    x, stream = x.double(), None if residual is None else residual.double()
+    for w_qkv, w_o, w_gu, w_down, g1, g2 in layers:
+        s1 = x if stream is None else b(x + stream)
+        qkv = b(F.linear(norm(s1, g1), w_qkv.double()))
+        o = b(F.linear(qkv[:, :w_o.shape[1]], w_o.double()))
+        s2 = b(o + s1)
+        gate, up = F.linear(norm(s2, g2), w_gu.double()).chunk(2, dim=-1)
+        act = b(F.silu(b(gate)) * b(up))
+        x, stream = b(F.linear(act, w_down.double())), s2
+    return ChainOutputs(qkv, s1, o, act, s2, x)
+
+
+def cuda_chain_missing(device: torch.device) -> list[str]:
+    """What the kernel needs and does not have here (empty: it can run): a CUDA device of compute capability 9.0 or
+    later, and nvcc to build it (CUDA_HOME or on the PATH)."""
+    missing = []
+    if device.type != "cuda":
+        return [f"a CUDA device (got {device.type})"]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    if major < 9:
+        missing.append(f"compute capability 9.0 or later (got {major}.{minor})")
+    if nvcc() is None:
+        missing.append("nvcc (CUDA_HOME or on the PATH) to build the kernel")
+    return missing
+
+
+def nvcc() -> str | None:
+    """The nvcc to build with: $CUDA_HOME/bin/nvcc, else the one on the PATH (None: neither)."""
+    home = os.environ.get("CUDA_HOME")
+    if home and Path(home, "bin", "nvcc").is_file():
+        return str(Path(home, "bin", "nvcc"))
+    return shutil.which("nvcc")
+
+
+@functools.lru_cache(maxsize=None)
+def library(arch: str = "sm_90", stage_bytes: int = STAGE_BYTES) -> ctypes.CDLL:
+    """The kernel built with nvcc for `arch` and stages of `stage_bytes` into a shared library, cached by the source's
+    hash under $MINIRT_CACHE (default ~/.cache/minirt) and loaded with ctypes. A few seconds the first time. Raises
+    RuntimeError with nvcc's output if the build fails."""
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(source + f"{arch} {stage_bytes}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt"))
+    path = cache / f"gemv_chain_cuda-{arch}-{key}.so"
+    if not path.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=cache) as tmp:      # built aside, then renamed: no half-written file
+            built = Path(tmp, path.name)
+            cmd = [nvcc() or "nvcc", "-O3", f"-arch={arch}", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+                   f"-DMINIRT_STAGE_BYTES={stage_bytes}",
+                   "-o", str(built), str(SOURCE)]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode:
+                raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{done.stdout}{done.stderr}")
+            os.replace(built, path)
+    lib = ctypes.CDLL(str(path))
+    lib.minirt_gemv_chain_launch.restype = ctypes.c_int
+    lib.minirt_gemv_chain_launch.argtypes = (
+        [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4
+        + [ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
+    lib.minirt_gemv_chain_error.restype = ctypes.c_char_p
+    lib.minirt_gemv_chain_error.argtypes = [ctypes.c_int]
+    return lib
+
+
+def tile_rows(k: int, pair: bool, stage_bytes: int = STAGE_BYTES) -> int:
+    """Output rows per stage tile of a product with k input columns: the largest power of two whose rows (gate
+    and up rows for a SiLU-and-multiply product) fill at most one stage and one warp each. Raises ValueError
+    naming k when one row does not fit a stage, or when a warp's share of a row is not whole 16-byte loads or
+    more than MAX_STEPS x 256 columns."""
+    per_row = k * 2 * (2 if pair else 1)
+    rows = CONSUMER_WARPS // (2 if pair else 1)
+    while rows > 1 and rows * per_row > stage_bytes:
+        rows //= 2
+    if rows * per_row > stage_bytes:
+        raise ValueError(f"k: a row of {k} bf16 columns{' (gate and up)' if pair else ''} does not fit a "
+                         f"{stage_bytes}-byte stage")
+    warps_per_row = CONSUMER_WARPS // (rows * (2 if pair else 1))
+    share = k // warps_per_row
+    if k % (8 * warps_per_row) or share > MAX_STEPS * 256:
+        raise ValueError(f"k: {k} columns over {warps_per_row} warps per row must be whole 8-column loads, at most "
+                         f"{MAX_STEPS * 256} per warp")
+    return rows
+
+
+def layer_table(layers) -> torch.Tensor:
+    """The int64 `[num_layers, 6]` table of addresses the kernel reads its weights from: per layer (W_qkv
+    `[N1, H]`, W_o `[H, K_o]` with K_o <= N1, W_gate_up `[2 I, H]`, W_down `[H, I]`, g1 `[H]`, g2 `[H]`), bf16,
+    contiguous, 16-byte aligned, on one CUDA device, every layer the same shapes. Build it once, before any CUDA
+    graph capture (it copies from the host). Raises ValueError naming layers."""
+    layers = [tuple(layer) for layer in layers]
+    if not layers or any(len(layer) != 6 for layer in layers):
+        raise ValueError("layers: give at least one layer of (W_qkv, W_o, W_gate_up, W_down, g1, g2)")
+    w1, w2, w3, w4, g1, g2 = layers[0]
+    h, n1, k_o, inter = w1.shape[1], w1.shape[0], w2.shape[1], w3.shape[0] // 2
+    want = [(n1, h), (h, k_o), (2 * inter, h), (h, inter), (h,), (h,)]
+    if k_o > n1 or w3.shape[0] % 2:
+        raise ValueError(f"layers: W_o's input ({k_o}) must come from W_qkv's outputs ({n1}), W_gate_up's rows must "
+                         f"be gate then up (an even count, got {w3.shape[0]})")
+    device = w1.device
+    for i, layer in enumerate(layers):
+        for t, shape in zip(layer, want):
+            if (tuple(t.shape) != shape or t.dtype != torch.bfloat16 or t.device != device or device.type != "cuda"
+                    or not t.is_contiguous() or t.data_ptr() % 16):
+                raise ValueError(f"layers: layer {i} needs contiguous 16-byte-aligned bf16 CUDA tensors of shapes "
+                                 f"{want} on one device, got {tuple(t.shape)} {t.dtype} on {t.device}")
+    return torch.tensor([[t.data_ptr() for t in layer] for layer in layers], dtype=torch.int64).to(device)
+
+
+def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int, stage_bytes: int = STAGE_BYTES,
+               sync: str = "barrier") -> list[int]:
+    """Output rows per stage tile of each product (gate/up: pairs). Raises ValueError naming the field when a
+    block would own more rows than the kernel sums in its epilogue (256) or take more than MAX_TILES tiles, or
+    (sync "flags") when a block would own no row of the hidden or intermediate products: its threads then would not
+    wait for every block."""
+    if sync not in SYNC_MODES:
+        raise ValueError(f"sync: one of {sorted(SYNC_MODES)}, got {sync!r}")
+    if stage_bytes < 256 or stage_bytes % 16:
+        raise ValueError(f"stage_bytes: a multiple of 16 (the bulk copy's unit), at least 256, got {stage_bytes}")
+    if sync.startswith("flags") and min(hidden, inter) < grid:
+        raise ValueError(f"grid: sync {sync!r} needs hidden and inter ({hidden}, {inter}) >= the grid ({grid})")
+    rows = [tile_rows(hidden, False, stage_bytes), tile_rows(k_o, False, stage_bytes),
+            tile_rows(hidden, True, stage_bytes), tile_rows(inter, False, stage_bytes)]
+    for name, k in (("hidden", hidden), ("k_o", k_o), ("inter", inter)):
+        if k > MAX_X_VECS * 8 * CONSUMER_WARPS * 32:
+            raise ValueError(f"{name}: at most {MAX_X_VECS * 8 * CONSUMER_WARPS * 32} input columns, got {k}")
+    for name, n, r in (("n_qkv", n_qkv, rows[0]), ("hidden", hidden, rows[1]), ("inter", inter, rows[2]),
+                       ("hidden", hidden, rows[3])):
+        per_block = math.ceil(n / grid)
+        if per_block > CONSUMER_WARPS * 32 or math.ceil(per_block / r) > MAX_TILES or n * grid >= 2 ** 32:
+            raise ValueError(f"{name}: {n} rows over {grid} blocks is {per_block} per block; at most "
+                             f"{CONSUMER_WARPS * 32} and {MAX_TILES} tiles of {r}")
+    return rows
+
+
+def shared_bytes(num_stages: int, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
+    """Dynamic shared memory of a launch: the ring, its barriers, x, the stream and the warp sums."""
+    return num_stages * (stage_bytes + BARRIER_BYTES) + 4 * (max(hidden, k_o, inter) + hidden
+                                                             + CONSUMER_WARPS * (32 * MAX_TILES + 1))
+
+
+def max_stages(device: torch.device, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
+    """The most stages a block's shared memory holds next to the rest."""
+    props = torch.cuda.get_device_properties(device)
+    limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
+    return (limit - shared_bytes(0, hidden, k_o, inter)) // (stage_bytes + BARRIER_BYTES)
+
+
+def sync_buffer(device: torch.device, grid: int | None = None) -> torch.Tensor:
+    """A zeroed int32 buffer for `gemv_chain_layers`' counter: the barrier's count, then a flag per block."""
+    grid = num_sms(device) if grid is None else grid
+    return torch.zeros(FLAG_STRIDE * (grid + 1), dtype=torch.int32, device=device)
+
+
+def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = None, *,
+                      table: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+                      num_stages: int | None = None, grid: int | None = None, eps: float = 1e-6,
+                      outputs: ChainOutputs | None = None, sync: str = "barrier", stage_bytes: int = STAGE_BYTES,
+                      skip: int = 0, timeline: torch.Tensor | None = None) -> ChainOutputs:
+    """Every layer of `layers` (see `layer_table`) in one launch, for one row: x `[1, H]` bf16, residual `[1, H]`
+    or None. table: `layer_table(layers)`, built here when None (not inside a CUDA graph capture). counter:
+    `sync_buffer(device, grid)`, all zero when the launch runs (None: a new one); inside a graph, zero it in the
+    graph before each launch. sync: how blocks wait for the previous product, "barrier" (a grid barrier on one
+    count) or "flags" (a flag per block; each thread waits for the writers of the columns it loads), each also
+    with "-backoff" (a pause between polls). stage_bytes: the ring's stage size (one library per size). num_stages:
+    ring stages (None: as many as shared memory holds). grid: blocks (None: one per SM; never more than the GPU holds at once, since every block waits for all).
+    outputs: where to write (each contiguous bf16 of its field's shape; None: new tensors). skip: 0, or SKIP_* bits
+    that leave a part of the work out, for timing breakdowns only (the results are then wrong). timeline: None, or
+    an int64 `[grid, num_layers * 4, len(TIMELINE_STAMPS)]` CUDA tensor for the SM clock at TIMELINE_STAMPS.
+    Returns the last layer's `ChainOutputs`. Raises ValueError naming an argument that does not fit."""
+    if missing := cuda_chain_missing(x.device):
+        raise ValueError(f"x: the CUDA GEMV chain needs {' and '.join(missing)}")
+    if skip & ~(SKIP_BARRIERS | SKIP_PROLOGUE | SKIP_DOTS | SKIP_STREAM):
+        raise ValueError(f"skip: 0 or SKIP_* bits, got {skip}")
+    layers = [tuple(layer) for layer in layers]
+    table = layer_table(layers) if table is None else table
+    if table.dtype != torch.int64 or tuple(table.shape) != (len(layers), 6) or table.device != x.device:
+        raise ValueError(f"table: must be layer_table(layers), int64 [{len(layers)}, 6] on {x.device}, got "
+                         f"{table.dtype} {tuple(table.shape)} on {table.device}")
+    w1, w2, w3, _, _, _ = layers[0]
+    hidden, n_qkv, k_o, inter = w1.shape[1], w1.shape[0], w2.shape[1], w3.shape[0] // 2
+    if x.numel() != hidden or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
+        raise ValueError(f"x: must be a contiguous 16-byte-aligned bf16 [1, {hidden}], got {x.dtype} "
+                         f"{tuple(x.shape)} at {x.data_ptr():#x}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device
+                                 or not residual.is_contiguous() or residual.data_ptr() % 16):
+        raise ValueError(f"residual: must be contiguous 16-byte-aligned bf16 with x's shape {tuple(x.shape)}, got "
+                         f"{residual.dtype} {tuple(residual.shape)} at {residual.data_ptr():#x}")
+    sms = num_sms(x.device)
+    grid = sms if grid is None else grid
+    if not 1 <= grid <= sms:
+        raise ValueError(f"grid: 1 to {sms} blocks (one per SM at most), got {grid}")
+    rows = chain_plan(hidden, n_qkv, k_o, inter, grid, stage_bytes, sync)
+    most = max_stages(x.device, hidden, k_o, inter, stage_bytes)
+    num_stages = most if num_stages is None else num_stages
+    if not 2 <= num_stages <= most:
+        raise ValueError(f"num_stages: 2 to {most} stages fit a block's shared memory, got {num_stages}")
+    if timeline is not None and (timeline.dtype != torch.int64 or timeline.device != x.device
+                                 or not timeline.is_contiguous()
+                                 or tuple(timeline.shape) != (grid, 4 * len(layers), len(TIMELINE_STAMPS))):
+        raise ValueError(f"timeline: must be a contiguous int64 [{grid}, {4 * len(layers)}, {len(TIMELINE_STAMPS)}] "
+                         f"on {x.device}, got {timeline.dtype} {tuple(timeline.shape)} on {timeline.device}")
+    if counter is None:
+        counter = sync_buffer(x.device, grid)
+    elif (counter.dtype != torch.int32 or counter.numel() < FLAG_STRIDE * (grid + 1) or counter.device != x.device
+          or not counter.is_contiguous()):
+        raise ValueError(f"counter: must be sync_buffer({x.device}, {grid}), int32 [{FLAG_STRIDE * (grid + 1)}], got "
+                         f"{counter.dtype} {tuple(counter.shape)} on {counter.device}")
+    new = functools.partial(torch.empty, dtype=x.dtype, device=x.device)
+    sizes = ChainOutputs(n_qkv, hidden, hidden, inter, hidden, hidden)
+    if outputs is None:
+        outs = ChainOutputs(*(new(1, n) for n in sizes))
+    else:
+        outs = ChainOutputs(*outputs)
+        for name, t, n in zip(ChainOutputs._fields, outs, sizes):
+            if (t.numel() != n or t.dtype != x.dtype or t.device != x.device or not t.is_contiguous()
+                    or t.data_ptr() % 16):
+                raise ValueError(f"outputs: {name} must be a contiguous 16-byte-aligned bf16 [1, {n}] on {x.device}, "
+                                 f"got {t.dtype} {tuple(t.shape)} on {t.device} at {t.data_ptr():#x}")
+    lib = library(stage_bytes=stage_bytes)
+    ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+    err = lib.minirt_gemv_chain_launch(
+        ptr(table), len(layers), ptr(x), ptr(residual), ptr(outs.qkv), ptr(outs.o), ptr(outs.act), ptr(outs.out),
+        ptr(outs.stream_attn), ptr(outs.stream_mlp), ptr(counter), hidden, n_qkv, k_o, inter,
+        (ctypes.c_int * 4)(*rows), num_stages, eps, grid, skip | SYNC_MODES[sync], ptr(timeline),
+        torch.cuda.current_stream(x.device).cuda_stream)
+    if err:
+        raise RuntimeError(f"gemv_chain_layers: the launch failed: {lib.minirt_gemv_chain_error(err).decode()}")
+    return outs

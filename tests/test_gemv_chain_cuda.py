@@ -1,0 +1,196 @@
+"""`gemv_chain_layers` (every layer's four GEMVs in one persistent CUDA kernel, weights streamed through shared
+memory) against two oracles: the chain in float64 with torch, rounded to bf16 where the model rounds
+(`reference_chain`), and the four
+`linear_gemv` calls per layer it replaces. Its tile plan against a brute-force search, and its refusals, on any
+machine; the kernel itself needs a Hopper GPU and nvcc (skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minirt.kernels import gemv_chain_cuda as C
+
+DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+MISSING = C.cuda_chain_missing(DEVICE)
+needs_kernel = pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)}")
+QWEN3 = (1024, 4096, 2048, 3072)       # (hidden, q/k/v rows, o_proj's input, intermediate)
+ODD = (640, 1280, 1152, 1536)          # rows no grid divides evenly; shares of rows not whole 256-column steps
+
+
+def make_layers(hidden, n_qkv, k_o, inter, num_layers, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0, offset=0.0):
+        return (offset + scale * torch.randn(*shape, generator=gen)).to(torch.bfloat16).to(DEVICE)
+
+    layers = [(rnd(n_qkv, hidden, scale=hidden ** -0.5), rnd(hidden, k_o, scale=k_o ** -0.5),
+               rnd(2 * inter, hidden, scale=hidden ** -0.5), rnd(hidden, inter, scale=inter ** -0.5),
+               rnd(hidden, scale=0.3, offset=1.0), rnd(hidden, scale=0.3, offset=1.0)) for _ in range(num_layers)]
+    return rnd(1, hidden), rnd(1, hidden), layers
+
+
+def linear_gemv_chain(x, residual, layers):
+    from minirt.kernels.gemv_triton import linear_gemv
+
+    stream = residual
+    for w_qkv, w_o, w_gu, w_down, g1, g2 in layers:
+        qkv, s1 = linear_gemv(x, w_qkv, norm_weight=g1, residual=stream)
+        o = linear_gemv(qkv[:, :w_o.shape[1]], w_o)
+        act, stream = linear_gemv(o, w_gu, silu_and_mul=True, norm_weight=g2, residual=s1)
+        x = linear_gemv(act, w_down)
+    return C.ChainOutputs(qkv, s1, o, act, stream, x)
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def poisoned(hidden, n_qkv, inter):
+    nan = lambda n: torch.full((1, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)  # noqa: E731
+    return C.ChainOutputs(nan(n_qkv), nan(hidden), nan(hidden), nan(inter), nan(hidden), nan(hidden))
+
+
+@pytest.mark.parametrize("pair", [False, True], ids=["plain", "gate-up"])
+@pytest.mark.parametrize("k", [256, 512, 640, 644, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288])
+def test_tile_rows_is_the_largest_power_of_two_that_fits(k, pair):
+    """Brute force: of the powers of two up to one stage row per warp, the largest whose rows fit a stage; refused
+    when none fits, or when a warp's share of a row is not whole 8-column loads, or more than MAX_STEPS x 256."""
+    stage_rows = lambda r: r * (2 if pair else 1)  # noqa: E731
+    fits = [r for r in (1, 2, 4, 8) if stage_rows(r) <= C.CONSUMER_WARPS and stage_rows(r) * k * 2 <= C.STAGE_BYTES]
+    warps_per_row = C.CONSUMER_WARPS // stage_rows(max(fits)) if fits else 0
+    if not fits or k % (8 * warps_per_row) or k // warps_per_row > 256 * C.MAX_STEPS:
+        with pytest.raises(ValueError, match="^k: "):
+            C.tile_rows(k, pair)
+    else:
+        assert C.tile_rows(k, pair) == max(fits)
+
+
+def test_refusals_name_the_field():
+    with pytest.raises(ValueError, match="^k: .*8-column loads"):
+        C.tile_rows(644, False)
+    with pytest.raises(ValueError, match="^k: a row of 12288"):
+        C.tile_rows(12288, False)
+    with pytest.raises(ValueError, match="^n_qkv: 4096 rows over 7 blocks"):
+        C.chain_plan(*QWEN3, grid=7)
+    with pytest.raises(ValueError, match="^inter: 1536 rows over 12 blocks"):
+        C.chain_plan(*ODD, grid=12)
+    with pytest.raises(ValueError, match="^layers: give at least one"):
+        C.layer_table([])
+    cpu = torch.zeros(1, 1024, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="^grid: sync 'flags' needs hidden and inter"):
+        C.chain_plan(64, 256, 256, 256, grid=132, sync="flags")
+    with pytest.raises(ValueError, match="^sync: one of"):
+        C.chain_plan(*QWEN3, grid=132, sync="spin")
+    with pytest.raises(ValueError, match="^x: the CUDA GEMV chain needs a CUDA device"):
+        C.gemv_chain_layers(cpu, [])
+
+
+def rounding_steps(a, ref):
+    """|a - ref| in bf16 rounding steps at ref's magnitude (ref float64; a bf16 step is 2**-7 of the leading bit)."""
+    step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2 ** -100))) - 7)
+    return ((a.double() - ref).abs() / step)
+
+
+def assert_rounded_from(name, a, ref, steps=1.0):
+    """a is ref (float64) rounded to bf16, but for rare elements that a float32 sum in another order put one step
+    away; near zero, where the terms cancel, a step is tiny: there 2**-12 of the vector's RMS is allowed too."""
+    assert not a.isnan().any(), f"{name}: not every element written"
+    step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2 ** -100))) - 7)
+    bad = (a.double() - ref).abs() > steps * step + 2 ** -12 * ref.pow(2).mean().sqrt()
+    off = (a != ref.to(torch.bfloat16)).double().mean().item()
+    assert not bad.any() and off < 0.02, (f"{name}: {off:.1%} of elements not ref rounded, {int(bad.sum())} off by "
+                                          f"more than {steps} steps, worst {rounding_steps(a, ref).max():.2f}")
+
+
+@needs_kernel
+@pytest.mark.parametrize("sync", ["barrier", "flags"])
+@pytest.mark.parametrize("num_layers", [1, 3])
+@pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
+@pytest.mark.parametrize("shape,grid", [(QWEN3, None), (ODD, None), (ODD, 33)], ids=["qwen3", "odd", "odd-33-blocks"])
+def test_chain_matches_float64_and_linear_gemv(shape, grid, with_residual, num_layers, sync):
+    """Each product of the last layer is float64's product of the chain's own inputs to it, rounded to bf16 (one
+    step off at most, for rare elements: float32 sums in another order); the whole chain stays within a few steps
+    of float64's (`reference_chain`) and of the four linear_gemv calls (the steps carry from layer to layer)."""
+    x, residual, layers = make_layers(*shape, num_layers)
+    residual = residual if with_residual else None
+    got = C.gemv_chain_layers(x, layers, residual, grid=grid, sync=sync,
+                              outputs=poisoned(shape[0], shape[1], shape[3]))
+    w_qkv, w_o, w_gu, w_down, g1, g2 = (t.double() for t in layers[-1])
+    d = lambda t: t.double()  # noqa: E731
+    norm = lambda s, g: s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * g  # noqa: E731
+    assert_rounded_from("qkv", got.qkv, d(got.stream_attn) @ torch.diag(g1) @ w_qkv.T
+                        * torch.rsqrt(d(got.stream_attn).pow(2).mean() + 1e-6))
+    assert_rounded_from("o", got.o, d(got.qkv)[:, :w_o.shape[1]] @ w_o.T)
+    assert torch.equal(got.stream_mlp, (got.o.float() + got.stream_attn.float()).to(torch.bfloat16)), "s2"
+    gate, up = (norm(d(got.stream_mlp), g2) @ w_gu.T).chunk(2, dim=-1)
+    act = F.silu(gate.to(torch.bfloat16).double()) * up.to(torch.bfloat16).double()
+    assert_rounded_from("act", got.act, act, steps=2.0)      # a gate or up one step off moves act by about one
+    assert_rounded_from("out", got.out, d(got.act) @ w_down.T)
+    if num_layers == 1:
+        s0 = x if residual is None else (x.float() + residual.float()).to(torch.bfloat16)
+        assert torch.equal(got.stream_attn, s0), "s1"
+    want = C.reference_chain(x, layers, residual)
+    ref = linear_gemv_chain(x, residual, layers)
+    for name, a, w, r in zip(C.ChainOutputs._fields, got, want, ref):
+        assert rel_err(a, w) < 2 ** -5, f"{name}: {rel_err(a, w):.2e} from float64"
+        assert rel_err(a, r) < 2 ** -5, f"{name}: {rel_err(a, r):.2e} from the four linear_gemv calls"
+
+
+@needs_kernel
+@pytest.mark.parametrize("sync", sorted(C.SYNC_MODES))
+@pytest.mark.parametrize("num_stages,stage_bytes", [(2, 16384), (5, 16384), (None, 16384), (None, 8192)],
+                         ids=str)
+def test_chain_is_deterministic_at_any_ring_depth(num_stages, stage_bytes, sync):
+    """Same inputs, same bits from run to run, whatever the ring, its stages and the way blocks wait (a race would
+    move the error between runs); the stage size moves the sums' order (rows per tile), so each is its own
+    baseline, near float64."""
+    x, residual, layers = make_layers(*QWEN3, 4, seed=1)
+    run = lambda: C.gemv_chain_layers(x, layers, residual, num_stages=num_stages, stage_bytes=stage_bytes,  # noqa
+                                      sync=sync)
+    first = run()
+    want = C.reference_chain(x, layers, residual).out
+    assert rel_err(first.out, want) < 2 ** -6, f"{rel_err(first.out, want):.2e} from float64"
+    for _ in range(3):
+        again = run()
+        for name, a, b in zip(C.ChainOutputs._fields, first, again):
+            assert torch.equal(a, b), f"{name}: differs between runs ({num_stages} x {stage_bytes} bytes, {sync})"
+
+
+@needs_kernel
+def test_chain_in_a_cuda_graph():
+    """Captured once with its counter zeroed in the graph, replayed on new x: the eager launch's results."""
+    x, residual, layers = make_layers(*QWEN3, 2, seed=2)
+    table = C.layer_table(layers)
+    counter = C.sync_buffer(DEVICE)
+    C.gemv_chain_layers(x, layers, residual, table=table, counter=counter)       # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        counter.zero_()
+        outs = C.gemv_chain_layers(x, layers, residual, table=table, counter=counter)
+    for seed in (3, 4):
+        x.copy_(make_layers(*QWEN3, 0, seed=seed)[0])
+        graph.replay()
+        want = C.gemv_chain_layers(x, layers, residual, table=table)
+        for name, a, b in zip(C.ChainOutputs._fields, outs, want):
+            assert torch.equal(a, b), f"{name}: the replay differs from an eager launch"
+
+
+@needs_kernel
+@pytest.mark.parametrize("sync", ["barrier", "flags"])
+def test_timeline_stamps_follow_each_block_through_its_products(sync):
+    """Every block stamps every product, its consumer stamps in order and each product after the one before;
+    the producer issues a product's first copy before its last. The results are the untimed launch's."""
+    x, residual, layers = make_layers(*ODD, 3, seed=5)
+    grid = C.num_sms(DEVICE)
+    timeline = torch.zeros(grid, 12, len(C.TIMELINE_STAMPS), dtype=torch.int64, device=DEVICE)
+    got = C.gemv_chain_layers(x, layers, residual, sync=sync, timeline=timeline)
+    want = C.gemv_chain_layers(x, layers, residual, sync=sync)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    t = timeline.cpu()
+    consumer = t[..., :6]
+    assert (consumer > 0).all() and (consumer.diff(dim=-1) >= 0).all()
+    assert (t[:, 1:, 0] >= t[:, :-1, 5]).all()
+    assert (t[..., 7] >= t[..., 6]).all()
