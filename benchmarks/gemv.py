@@ -11,6 +11,7 @@ kernels and as one (the product in the GEMV's epilogue). Writes `gemv-cuda[-quic
     python benchmarks/gemv.py            # full sweep (a few minutes, mostly Triton compiles)
     python benchmarks/gemv.py --quick    # defaults and a handful of configs
     python benchmarks/gemv.py --chain    # a decode step's GEMVs back to back, with and without PDL
+    python benchmarks/gemv.py --cuda-chain   # the same 28 layers in one persistent CUDA launch, against the above
 
 `--chain` measures what a batch-1 decode step runs: 28 layers' four GEMVs (q/k/v and gate/up with the norm in
 their prologue, o_proj, down_proj; the gate/up with SiLU-and-multiply), each taking the one before's output as
@@ -19,6 +20,15 @@ overstate each kernel's ramp-up and tail, which a chain with programmatic depend
 It times the chain with `choose_config`'s tiles without and with PDL, then each layer's four GEMVs as one
 persistent launch (`minirt.kernels.gemv_chain_triton`) at 1, 2, 4 and 8 programs per SM, then varies one layer
 GEMV's tiles at a time (the others at their defaults), with PDL. Writes `gemv-chain-cuda-<date>.json`.
+
+`--cuda-chain` times `minirt.kernels.gemv_chain_cuda` (all 28 layers in one launch, the weights streamed through a
+shared-memory ring by a producer warp) against the four-kernel chain with PDL and the persistent Triton chain
+(4 programs per SM, PDL) in the same run: both chains' outputs against float64 after 1 to 28 layers; each stage
+size with each way of waiting (a grid barrier or per-block flags, with and without a pause between polls) and with
+the weight stream alone; per-block timelines (the SM clock at each part of each product: wait, input, first stage,
+stages, epilogue; how far ahead the producer issued); and the time with one part left out at a time. Writes
+`gemv-chain-cuda-kernel-<date>.json`. (`chain_inputs()` draws x from its own seeded generator too, so that every
+call returns the same inputs.)
 """
 
 from __future__ import annotations
@@ -158,7 +168,8 @@ def chain_inputs():
     gen = torch.Generator(device="cuda").manual_seed(0)
     weights = [[torch.randn(n, k, device="cuda", dtype=DTYPE, generator=gen) / k ** 0.5 for _, k, n, _ in LAYER]
                for _ in range(NUM_LAYERS)]
-    return weights, torch.ones(1024, device="cuda", dtype=DTYPE), torch.randn(1, 1024, device="cuda", dtype=DTYPE)
+    x = torch.randn(1, 1024, device="cuda", dtype=DTYPE, generator=gen)
+    return weights, torch.ones(1024, device="cuda", dtype=DTYPE), x
 
 
 def us_per_layer(step) -> float:
@@ -212,6 +223,153 @@ def persistent_chain(pdl: bool, programs_per_sm: int) -> float:
     return us_per_layer(step)
 
 
+def cuda_chain(num_stages: int | None = None, skip: int = 0, sync: str = "barrier",
+               stage_bytes: int = 16384) -> tuple[float, torch.Tensor]:
+    """`layer_chain`'s layers in one persistent CUDA launch (`gemv_chain_layers`; its sync buffer zeroed in the
+    graph): microseconds per layer, and the last layer's output. skip: the kernel's SKIP_* bits (a part left out)."""
+    from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, layer_table, sync_buffer
+
+    weights, norm_w, x0 = chain_inputs()
+    layers = [(*ws, norm_w, norm_w) for ws in weights]
+    table = layer_table(layers)
+    counter = sync_buffer(x0.device)
+    outs = []
+
+    def step():
+        counter.zero_()
+        outs.append(gemv_chain_layers(x0, layers, table=table, counter=counter, num_stages=num_stages, skip=skip,
+                                      sync=sync, stage_bytes=stage_bytes).out)
+        return outs[-1]
+
+    return us_per_layer(step), outs[-1].clone()
+
+
+def layer_chain_output(num_layers: int = NUM_LAYERS) -> torch.Tensor:
+    """The four-kernel chain's output for the first num_layers layers of `chain_inputs()` (eager, PDL off)."""
+    weights, norm_w, x = chain_inputs()
+    stream = None
+    for ws in weights[:num_layers]:
+        qkv, stream = G.linear_gemv(x, ws[0], norm_weight=norm_w, residual=stream)
+        o = G.linear_gemv(qkv[:, :2048], ws[1])
+        act, stream = G.linear_gemv(o, ws[2], silu_and_mul=True, norm_weight=norm_w, residual=stream)
+        x = G.linear_gemv(act, ws[3])
+    return x
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def chain_depth_agreement() -> dict:
+    """Both chains' outputs against `reference_chain` (float64, rounded where they round) after 1 to NUM_LAYERS
+    layers of `chain_inputs()`, eager: how the bf16 rounding steps add up with depth."""
+    from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, reference_chain
+
+    weights, norm_w, x0 = chain_inputs()
+    layers = [(*ws, norm_w, norm_w) for ws in weights]
+    out = {}
+    for depth in (1, 2, 4, 8, 16, NUM_LAYERS):
+        ref = reference_chain(x0, layers[:depth]).out
+        cuda, four = gemv_chain_layers(x0, layers[:depth], sync="flags").out, layer_chain_output(depth)
+        out[depth] = {"cuda_vs_float64": rel(cuda, ref), "four_kernels_vs_float64": rel(four, ref),
+                      "cuda_vs_four_kernels": rel(cuda, four)}
+        print(f"  {depth:2d} layers: CUDA chain {out[depth]['cuda_vs_float64']:.1e} from float64, four kernels "
+              f"{out[depth]['four_kernels_vs_float64']:.1e}, each other {out[depth]['cuda_vs_four_kernels']:.1e}",
+              flush=True)
+    return out
+
+
+def chain_timeline(sync: str, skip: int = 0) -> dict:
+    """One eager launch of the 28-layer CUDA chain with its timeline on: per product, the median over blocks and
+    layers 2-27 of each part of a block's time (thread 0's clock between TIMELINE_STAMPS), in microseconds at the
+    clock rate the launch's own duration gives; and how far ahead of the consumers the producer issued."""
+    from minirt.kernels.gemv_chain_cuda import TIMELINE_STAMPS, gemv_chain_layers, layer_table
+
+    weights, norm_w, x0 = chain_inputs()
+    layers = [(*ws, norm_w, norm_w) for ws in weights]
+    table = layer_table(layers)
+    grid = torch.cuda.get_device_properties(0).multi_processor_count
+    timeline = torch.zeros(grid, 4 * NUM_LAYERS, len(TIMELINE_STAMPS), dtype=torch.int64, device="cuda")
+    for _ in range(3):                                     # warm: the library, the weights' first touch
+        gemv_chain_layers(x0, layers, table=table, sync=sync, skip=skip, timeline=timeline)
+    s, e = ev(), ev()
+    s.record()
+    gemv_chain_layers(x0, layers, table=table, sync=sync, skip=skip, timeline=timeline)
+    e.record()
+    e.synchronize()
+    t = timeline.cpu().double()
+    cycles = (t[:, -1, 5] - t[:, 0, 0]).median().item()
+    ghz = cycles / (s.elapsed_time(e) * 1e6)
+    us = lambda d: (d / (ghz * 1e3)).median().item()  # noqa: E731
+    idx = {name: i for i, name in enumerate(TIMELINE_STAMPS)}
+    parts = [("wait", "start", "waited"), ("input", "waited", "input loaded"),
+             ("first stage", "input loaded", "first stage"), ("stages", "first stage", "stages done"),
+             ("epilogue", "stages done", "epilogue done")]
+    out = {"clock_ghz": ghz, "launch_us": s.elapsed_time(e) * 1e3, "products": {}}
+    names = ["qkv", "o_proj", "gate_up", "down"]
+    for p in range(4):
+        rows = t[:, [4 * layer + p for layer in range(1, NUM_LAYERS)], :]
+        row = {name: us(rows[..., idx[b]] - rows[..., idx[a]]) for name, a, b in parts}
+        row["producer lead"] = us(rows[..., idx["start"]] - rows[..., idx["first copy issued"]])
+        out["products"][names[p]] = row
+    print(f"  timeline, {sync}{', skip ' + str(skip) if skip else ''}: launch {out['launch_us']:.0f} us, "
+          f"clock {ghz:.2f} GHz; per product, median us:", flush=True)
+    for name, row in out["products"].items():
+        print("    " + f"{name:8s} " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+    return out
+
+
+def cuda_chain_sweep(out_dir: str) -> None:
+    from minirt.kernels import gemv_chain_cuda as C
+    from minirt.kernels.gemv_chain_cuda import cuda_chain_missing, max_stages
+
+    device = torch.device("cuda")
+    if missing := cuda_chain_missing(device):
+        print(f"the CUDA chain needs {' and '.join(missing)}", file=sys.stderr)
+        return
+    layer_bytes = sum(k * n for _, k, n, _ in LAYER) * DTYPE.itemsize
+    bandwidth = copy_bandwidth(device, 1 << 30)
+    ideal = layer_bytes / bandwidth["bytes_per_s"] * 1e6
+    report = {"layer_bytes": layer_bytes, "bandwidth": bandwidth, "ideal_us_per_layer": ideal}
+    print(f"weights per layer {layer_bytes / 1e6:.1f} MB: {ideal:.2f} us at the copy bandwidth", flush=True)
+    report["four_kernels_pdl_us"] = layer_chain(True)
+    print(f"four kernels per layer, PDL: {report['four_kernels_pdl_us']:.2f} us per layer", flush=True)
+    report["triton_persistent_4_per_sm_pdl_us"] = persistent_chain(True, 4)
+    print(f"persistent Triton chain, 4 per SM, PDL: {report['triton_persistent_4_per_sm_pdl_us']:.2f} us per layer")
+    print("agreement by depth (relative L2 distance of the last output):")
+    report["depth_agreement"] = chain_depth_agreement()
+    want = layer_chain_output()
+    report["cuda_chain"] = {}
+    for stage_bytes in (8192, 16384):                     # the ring as deep as shared memory allows
+        for sync in C.SYNC_MODES:
+            us, out = cuda_chain(None, 0, sync, stage_bytes)
+            err = rel(out, want)
+            stages = max_stages(device, 1024, 2048, 3072, stage_bytes)
+            report["cuda_chain"][f"{stage_bytes} x {stages}, {sync}"] = {
+                "us_per_layer": us, "rel_err_vs_four_kernels": err, "fraction_of_copy_bandwidth": ideal / us}
+            print(f"CUDA chain, {stages} stages of {stage_bytes} bytes, {sync}: {us:.2f} us per layer "
+                  f"({ideal / us:.0%} of the copy bandwidth), output vs the four kernels: {err:.1e}", flush=True)
+        us, _ = cuda_chain(None, C.SKIP_BARRIERS | C.SKIP_PROLOGUE | C.SKIP_DOTS, "barrier", stage_bytes)
+        report["cuda_chain"][f"{stage_bytes}, weight stream alone"] = {"us_per_layer": us}
+        print(f"  stages of {stage_bytes} bytes, the weight stream alone: {us:.2f} us per layer "
+              f"({ideal / us:.0%})", flush=True)
+    # What each part costs: the same launch with a part left out (its results are wrong then).
+    parts = {"no waits": C.SKIP_BARRIERS, "no input loads": C.SKIP_PROLOGUE, "no dot products": C.SKIP_DOTS,
+             "no weight stream (waits, loads, epilogues)": C.SKIP_STREAM,
+             "waits and epilogues alone": C.SKIP_STREAM | C.SKIP_PROLOGUE}
+    report["timeline"] = {f"{sync}, skip {skip}": chain_timeline(sync, skip)
+                          for sync, skip in (("barrier", 0), ("flags", 0), ("barrier", C.SKIP_STREAM))}
+    report["breakdown"] = {}
+    for sync in ("barrier", "flags"):
+        for name, skip in parts.items():
+            if sync == "flags" and skip & C.SKIP_PROLOGUE:
+                continue                                   # the flags are waited for in the prologue
+            us, _ = cuda_chain(None, skip, sync)
+            report["breakdown"][f"{sync}, {name}"] = us
+            print(f"  16384-byte stages, {sync}, {name}: {us:.2f} us per layer", flush=True)
+    write_report({**report_header(device), **report}, out_dir, f"gemv-chain-cuda-kernel-{datetime.date.today()}")
+
+
 def chain_sweep(out_dir: str) -> None:
     from minirt.kernels import pdl_missing
 
@@ -261,6 +419,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--chain", action="store_true", help="a decode step's GEMV chain, with and without PDL")
+    ap.add_argument("--cuda-chain", action="store_true", help="the chain in one persistent CUDA launch")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -274,6 +433,9 @@ def main():
 
     if args.chain:
         chain_sweep(args.out)
+        return 0
+    if args.cuda_chain:
+        cuda_chain_sweep(args.out)
         return 0
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device, 1 << 30)                # the bench's HBM yardstick: a 1 GiB copy
