@@ -46,9 +46,10 @@ constexpr int SKIP_BARRIERS = 1, SKIP_PROLOGUE = 2, SKIP_DOTS = 4, SKIP_STREAM =
 // together still wait for all blocks: each phase waits for the whole previous one, as with the barrier).
 constexpr int SYNC_FLAGS = 16, BACKOFF = 32;
 constexpr int FLAG_STRIDE = 32;                  // a block's flag every 128 bytes, after the count
-// Params::timeline: per block and product, the SM's clock when thread 0 starts the product, is through its wait,
-// through its input, has its first stage, is through its stages, through its epilogue; when the producer issues
-// the product's first and last copy (gemv_chain_cuda.py's TIMELINE_STAMPS names them).
+// Params::timeline: per block and product, the SM's clock when thread 0 starts the product, is through the grid
+// barrier (SYNC_FLAGS: the flags are waited for with the input), through its input, has its first stage, is through
+// its stages, through its epilogue; when the producer issues the product's first and last copy (unset where it
+// streams no rows of the product; gemv_chain_cuda.py's TIMELINE_STAMPS names them).
 constexpr int STAMPS = 8;
 
 struct Params {

@@ -50,13 +50,13 @@ CONSUMER_WARPS = 8
 MAX_STEPS = 4               # a warp reads at most MAX_STEPS x 256 columns of a row
 MAX_TILES = 16              # stage tiles per block per product (the kernel's lane-sum buffer)
 BARRIER_BYTES = 16          # a stage's two mbarriers
-MAX_X_VECS = 4              # a product reads at most MAX_X_VECS x 8 x 256 input columns
 # gemv_chain_cuda.cu's Params::flags: leave out the grid barriers, the input loads, the dot products, the weight stream
 SKIP_BARRIERS, SKIP_PROLOGUE, SKIP_DOTS, SKIP_STREAM = 1, 2, 4, 8
 # ... and how the blocks wait for each other (see `gemv_chain_layers`' sync)
 SYNC_MODES = {"barrier": 0, "barrier-backoff": 32, "flags": 16, "flags-backoff": 16 | 32}
 FLAG_STRIDE = 32            # int32s per block's flag in the sync buffer (128 bytes)
-#: What `gemv_chain_layers(timeline=...)` records per block and product (the SM's clock, `clock64`)
+#: What `gemv_chain_layers(timeline=...)` records per block and product (the SM's clock, `clock64`); with
+#: sync "flags" the wait happens while the input loads, so "waited" follows "start" at once
 TIMELINE_STAMPS = ("start", "waited", "input loaded", "first stage", "stages done", "epilogue done",
                    "first copy issued", "last copy issued")
 
@@ -166,20 +166,31 @@ def tile_rows(k: int, pair: bool, stage_bytes: int = STAGE_BYTES) -> int:
     return rows
 
 
-def layer_table(layers) -> torch.Tensor:
-    """The int64 `[num_layers, 6]` table of addresses the kernel reads its weights from: per layer (W_qkv
-    `[N1, H]`, W_o `[H, K_o]` with K_o <= N1, W_gate_up `[2 I, H]`, W_down `[H, I]`, g1 `[H]`, g2 `[H]`), bf16,
-    contiguous, 16-byte aligned, on one CUDA device, every layer the same shapes. Build it once, before any CUDA
-    graph capture (it copies from the host). Raises ValueError naming layers."""
+class LayerTable(NamedTuple):
+    """`layer_table`'s result: the addresses on the device, and the same addresses on the host (checked against the
+    layers of each launch without a copy from the device)."""
+
+    addresses: torch.Tensor       # int64 [num_layers, 6] on the layers' device
+    pointers: tuple
+
+
+def check_layers(layers) -> tuple[int, int, int, int]:
+    """The chain's shapes `(hidden, n_qkv, k_o, inter)` from `layers`, each layer (W_qkv `[N1, H]`, W_o `[H, K_o]`
+    with K_o <= N1, W_gate_up `[2 I, H]`, W_down `[H, I]`, g1 `[H]`, g2 `[H]`): bf16, contiguous, 16-byte aligned,
+    on one CUDA device, every layer the same shapes. Host-side only (safe inside a CUDA graph capture). Raises
+    ValueError naming layers."""
     layers = [tuple(layer) for layer in layers]
     if not layers or any(len(layer) != 6 for layer in layers):
         raise ValueError("layers: give at least one layer of (W_qkv, W_o, W_gate_up, W_down, g1, g2)")
-    w1, w2, w3, w4, g1, g2 = layers[0]
+    w1, w2, w3 = layers[0][:3]
+    if w1.dim() != 2 or w2.dim() != 2 or w3.dim() != 2:
+        raise ValueError(f"layers: W_qkv, W_o and W_gate_up must be matrices, got shapes {tuple(w1.shape)}, "
+                         f"{tuple(w2.shape)}, {tuple(w3.shape)}")
     h, n1, k_o, inter = w1.shape[1], w1.shape[0], w2.shape[1], w3.shape[0] // 2
-    want = [(n1, h), (h, k_o), (2 * inter, h), (h, inter), (h,), (h,)]
     if k_o > n1 or w3.shape[0] % 2:
         raise ValueError(f"layers: W_o's input ({k_o}) must come from W_qkv's outputs ({n1}), W_gate_up's rows must "
                          f"be gate then up (an even count, got {w3.shape[0]})")
+    want = [(n1, h), (h, k_o), (2 * inter, h), (h, inter), (h,), (h,)]
     device = w1.device
     for i, layer in enumerate(layers):
         for t, shape in zip(layer, want):
@@ -187,7 +198,26 @@ def layer_table(layers) -> torch.Tensor:
                     or not t.is_contiguous() or t.data_ptr() % 16):
                 raise ValueError(f"layers: layer {i} needs contiguous 16-byte-aligned bf16 CUDA tensors of shapes "
                                  f"{want} on one device, got {tuple(t.shape)} {t.dtype} on {t.device}")
-    return torch.tensor([[t.data_ptr() for t in layer] for layer in layers], dtype=torch.int64).to(device)
+    return h, n1, k_o, inter
+
+
+def layer_table(layers) -> LayerTable:
+    """The table of addresses the kernel reads its weights from (`check_layers`' layers). Build it once, before
+    any CUDA graph capture (it copies from the host). Raises ValueError naming layers."""
+    layers = [tuple(layer) for layer in layers]
+    check_layers(layers)
+    pointers = tuple(tuple(t.data_ptr() for t in layer) for layer in layers)
+    return LayerTable(torch.tensor(pointers, dtype=torch.int64).to(layers[0][0].device), pointers)
+
+
+def check_disjoint(**tensors) -> None:
+    """Raises ValueError naming the first of two of `tensors` (None ones skipped) whose bytes overlap: the kernel
+    reads some while it writes others."""
+    spans = [(name, t.data_ptr(), t.data_ptr() + t.nbytes) for name, t in tensors.items() if t is not None]
+    for i, (name, lo, hi) in enumerate(spans):
+        for other, lo2, hi2 in spans[i + 1:]:
+            if lo < hi2 and lo2 < hi:
+                raise ValueError(f"{name}: overlaps {other} in memory; the kernel needs them apart")
 
 
 def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int, stage_bytes: int = STAGE_BYTES,
@@ -202,11 +232,13 @@ def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int, stage_b
         raise ValueError(f"stage_bytes: a multiple of 16 (the bulk copy's unit), at least 256, got {stage_bytes}")
     if sync.startswith("flags") and min(hidden, inter) < grid:
         raise ValueError(f"grid: sync {sync!r} needs hidden and inter ({hidden}, {inter}) >= the grid ({grid})")
-    rows = [tile_rows(hidden, False, stage_bytes), tile_rows(k_o, False, stage_bytes),
-            tile_rows(hidden, True, stage_bytes), tile_rows(inter, False, stage_bytes)]
-    for name, k in (("hidden", hidden), ("k_o", k_o), ("inter", inter)):
-        if k > MAX_X_VECS * 8 * CONSUMER_WARPS * 32:
-            raise ValueError(f"{name}: at most {MAX_X_VECS * 8 * CONSUMER_WARPS * 32} input columns, got {k}")
+    rows = []
+    for name, k, pair in (("hidden", hidden, False), ("k_o", k_o, False), ("hidden", hidden, True),
+                          ("inter", inter, False)):
+        try:
+            rows.append(tile_rows(k, pair, stage_bytes))
+        except ValueError as err:                       # tile_rows names its k: say which of the chain's it is
+            raise ValueError(f"{name}: {str(err).removeprefix('k: ')}") from None
     for name, n, r in (("n_qkv", n_qkv, rows[0]), ("hidden", hidden, rows[1]), ("inter", inter, rows[2]),
                        ("hidden", hidden, rows[3])):
         per_block = math.ceil(n / grid)
@@ -236,32 +268,37 @@ def sync_buffer(device: torch.device, grid: int | None = None) -> torch.Tensor:
 
 
 def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = None, *,
-                      table: torch.Tensor | None = None, counter: torch.Tensor | None = None,
+                      table: LayerTable | None = None, counter: torch.Tensor | None = None,
                       num_stages: int | None = None, grid: int | None = None, eps: float = 1e-6,
                       outputs: ChainOutputs | None = None, sync: str = "barrier", stage_bytes: int = STAGE_BYTES,
                       skip: int = 0, timeline: torch.Tensor | None = None) -> ChainOutputs:
-    """Every layer of `layers` (see `layer_table`) in one launch, for one row: x `[1, H]` bf16, residual `[1, H]`
-    or None. table: `layer_table(layers)`, built here when None (not inside a CUDA graph capture). counter:
-    `sync_buffer(device, grid)`, all zero when the launch runs (None: a new one); inside a graph, zero it in the
-    graph before each launch. sync: how blocks wait for the previous product, "barrier" (a grid barrier on one
-    count) or "flags" (a flag per block; each thread waits for the writers of the columns it loads), each also
-    with "-backoff" (a pause between polls). stage_bytes: the ring's stage size (one library per size). num_stages:
-    ring stages (None: as many as shared memory holds). grid: blocks (None: one per SM; never more than the GPU holds at once, since every block waits for all).
-    outputs: where to write (each contiguous bf16 of its field's shape; None: new tensors). skip: 0, or SKIP_* bits
-    that leave a part of the work out, for timing breakdowns only (the results are then wrong). timeline: None, or
-    an int64 `[grid, num_layers * 4, len(TIMELINE_STAMPS)]` CUDA tensor for the SM clock at TIMELINE_STAMPS.
-    Returns the last layer's `ChainOutputs`. Raises ValueError naming an argument that does not fit."""
+    """Every layer of `layers` (see `check_layers`) in one launch, for one row: x `[1, H]` bf16, residual `[1, H]`
+    or None. table: `layer_table(layers)` of these layers, built here when None (not inside a CUDA graph capture).
+    counter: `sync_buffer(device, grid)` (None: a new one), zeroed here on the stream before the launch (inside a
+    graph too). sync: how blocks wait for the previous product, "barrier" (a grid barrier on one count) or "flags"
+    (a flag per block; each thread waits for the writers of the columns it loads), each also with "-backoff" (a
+    pause between polls). stage_bytes: the ring's stage size (one library per size). num_stages: ring stages (None:
+    as many as shared memory holds). grid: blocks (None: one per SM). Every block waits for the others, so all must
+    be resident at once: at most one per SM is checked, not that the SMs are free (other kernels spinning on the
+    GPU at the same time, or an MPS share smaller than the GPU, would make it wait forever).
+    outputs: where to write (each contiguous bf16 of its field's shape, apart from each other and from x and
+    residual; None: new tensors). skip: 0, or SKIP_* bits that leave a part of the work out, for timing breakdowns
+    only (the results are then wrong). timeline: None, or an int64 `[grid, num_layers * 4, len(TIMELINE_STAMPS)]`
+    CUDA tensor for the SM clock at TIMELINE_STAMPS (a producer stamp stays unset where a block streams no rows of a
+    product, or with SKIP_STREAM). Returns the last layer's `ChainOutputs`. Raises ValueError naming an argument
+    that does not fit."""
     if missing := cuda_chain_missing(x.device):
         raise ValueError(f"x: the CUDA GEMV chain needs {' and '.join(missing)}")
     if skip & ~(SKIP_BARRIERS | SKIP_PROLOGUE | SKIP_DOTS | SKIP_STREAM):
         raise ValueError(f"skip: 0 or SKIP_* bits, got {skip}")
     layers = [tuple(layer) for layer in layers]
+    hidden, n_qkv, k_o, inter = check_layers(layers)           # every launch: the table holds only addresses
+    if layers[0][0].device != x.device:
+        raise ValueError(f"layers: must be on x's device {x.device}, got {layers[0][0].device}")
     table = layer_table(layers) if table is None else table
-    if table.dtype != torch.int64 or tuple(table.shape) != (len(layers), 6) or table.device != x.device:
-        raise ValueError(f"table: must be layer_table(layers), int64 [{len(layers)}, 6] on {x.device}, got "
-                         f"{table.dtype} {tuple(table.shape)} on {table.device}")
-    w1, w2, w3, _, _, _ = layers[0]
-    hidden, n_qkv, k_o, inter = w1.shape[1], w1.shape[0], w2.shape[1], w3.shape[0] // 2
+    if not isinstance(table, LayerTable) or table.pointers != tuple(tuple(t.data_ptr() for t in layer)
+                                                                    for layer in layers):
+        raise ValueError("table: must be layer_table(layers) of these very layers (their addresses differ)")
     if x.numel() != hidden or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
         raise ValueError(f"x: must be a contiguous 16-byte-aligned bf16 [1, {hidden}], got {x.dtype} "
                          f"{tuple(x.shape)} at {x.data_ptr():#x}")
@@ -300,13 +337,16 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
                     or t.data_ptr() % 16):
                 raise ValueError(f"outputs: {name} must be a contiguous 16-byte-aligned bf16 [1, {n}] on {x.device}, "
                                  f"got {t.dtype} {tuple(t.shape)} on {t.device} at {t.data_ptr():#x}")
+    check_disjoint(**outs._asdict(), x=x, residual=residual, counter=counter, timeline=timeline)
     lib = library(stage_bytes=stage_bytes)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    err = lib.minirt_gemv_chain_launch(
-        ptr(table), len(layers), ptr(x), ptr(residual), ptr(outs.qkv), ptr(outs.o), ptr(outs.act), ptr(outs.out),
-        ptr(outs.stream_attn), ptr(outs.stream_mlp), ptr(counter), hidden, n_qkv, k_o, inter,
-        (ctypes.c_int * 4)(*rows), num_stages, eps, grid, skip | SYNC_MODES[sync], ptr(timeline),
-        torch.cuda.current_stream(x.device).cuda_stream)
+    counter.zero_()
+    with torch.cuda.device(x.device):                      # the attribute and the launch act on the current device
+        err = lib.minirt_gemv_chain_launch(
+            ptr(table.addresses), len(layers), ptr(x), ptr(residual), ptr(outs.qkv), ptr(outs.o), ptr(outs.act), ptr(outs.out),
+            ptr(outs.stream_attn), ptr(outs.stream_mlp), ptr(counter), hidden, n_qkv, k_o, inter,
+            (ctypes.c_int * 4)(*rows), num_stages, eps, grid, skip | SYNC_MODES[sync], ptr(timeline),
+            torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"gemv_chain_layers: the launch failed: {lib.minirt_gemv_chain_error(err).decode()}")
     return outs
