@@ -12,6 +12,8 @@ kernels and as one (the product in the GEMV's epilogue). Writes `gemv-cuda[-quic
     python benchmarks/gemv.py --quick    # defaults and a handful of configs
     python benchmarks/gemv.py --chain    # a decode step's GEMVs back to back, with and without PDL
     python benchmarks/gemv.py --cuda-chain   # the same 28 layers in one persistent CUDA launch, against the above
+    ncu --clock-control none --set full -k regex:gemv_chain --launch-skip 2 --launch-count 1 -o chain \
+        python benchmarks/gemv.py --cuda-chain-launches 3      # that launch's stall reasons, for Nsight Compute
 
 `--chain` measures what a batch-1 decode step runs: 28 layers' four GEMVs (q/k/v and gate/up with the norm in
 their prologue, o_proj, down_proj; the gate/up with SiLU-and-multiply), each taking the one before's output as
@@ -420,6 +422,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--chain", action="store_true", help="a decode step's GEMV chain, with and without PDL")
     ap.add_argument("--cuda-chain", action="store_true", help="the chain in one persistent CUDA launch")
+    ap.add_argument("--cuda-chain-launches", type=int, metavar="N",
+                    help="only launch the CUDA chain N times, eagerly, for a profiler (ncu) to pick one")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -436,6 +440,16 @@ def main():
         return 0
     if args.cuda_chain:
         cuda_chain_sweep(args.out)
+        return 0
+    if args.cuda_chain_launches:
+        from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, layer_table
+
+        weights, norm_w, x0 = chain_inputs()
+        layers = [(*ws, norm_w, norm_w) for ws in weights]
+        table = layer_table(layers)
+        for _ in range(args.cuda_chain_launches):
+            gemv_chain_layers(x0, layers, table=table)
+        torch.cuda.synchronize()
         return 0
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device, 1 << 30)                # the bench's HBM yardstick: a 1 GiB copy

@@ -119,19 +119,19 @@ def nvcc() -> str | None:
 @functools.lru_cache(maxsize=None)
 def library(arch: str = "sm_90", stage_bytes: int = STAGE_BYTES) -> ctypes.CDLL:
     """The kernel built with nvcc for `arch` and stages of `stage_bytes` into a shared library, cached by the source's
-    hash under $MINIRT_CACHE (default ~/.cache/minirt) and loaded with ctypes. A few seconds the first time. Raises
+    hash and flags under $MINIRT_CACHE (default ~/.cache/minirt) and loaded with ctypes; with line info (for
+    Nsight Compute's source view). A few seconds the first time. Raises
     RuntimeError with nvcc's output if the build fails."""
     source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + f"{arch} {stage_bytes}".encode()).hexdigest()[:16]
+    flags = ["-O3", f"-arch={arch}", "-std=c++17", "-lineinfo", f"-DMINIRT_STAGE_BYTES={stage_bytes}"]
+    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt"))
     path = cache / f"gemv_chain_cuda-{arch}-{key}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:      # built aside, then renamed: no half-written file
             built = Path(tmp, path.name)
-            cmd = [nvcc() or "nvcc", "-O3", f"-arch={arch}", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
-                   f"-DMINIRT_STAGE_BYTES={stage_bytes}",
-                   "-o", str(built), str(SOURCE)]
+            cmd = [nvcc() or "nvcc", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(built), str(SOURCE)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{done.stdout}{done.stderr}")
