@@ -105,7 +105,8 @@ def test_ci_script_runs_readme_test_command():
 
 
 def test_wheel_ships_package_data(tmp_path):
-    """Build a wheel from a copy of the tree: every file of minirt/default_model/ and minirt/*.json ships."""
+    """Build a wheel from a copy of the tree: every file of minirt/default_model/, minirt/*.json and the CUDA
+    sources (minirt/kernels/*.cu) ships."""
     import shutil
     import subprocess
     import sys
@@ -134,7 +135,7 @@ def test_wheel_ships_package_data(tmp_path):
     pkg = ROOT / "minirt"
     want = {f"minirt/{p.relative_to(pkg).as_posix()}" for p in pkg.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")
-            and (p.suffix in (".py", ".json") or "default_model" in p.parts)}
+            and (p.suffix in (".py", ".json", ".cu") or "default_model" in p.parts)}
     missing = sorted(want - names)
     assert not missing, f"not in the wheel: {missing[:10]}"
     assert any(n.endswith("entry_points.txt") for n in names)
