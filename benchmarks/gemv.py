@@ -225,20 +225,27 @@ def persistent_chain(pdl: bool, programs_per_sm: int) -> float:
     return us_per_layer(step)
 
 
-def cuda_chain(num_stages: int | None = None, skip: int = 0, sync: str = "barrier",
-               stage_bytes: int = 16384) -> tuple[float, torch.Tensor]:
-    """`layer_chain`'s layers in one persistent CUDA launch (`gemv_chain_layers`; its sync buffer zeroed in the
-    graph): microseconds per layer, and the last layer's output. skip: the kernel's SKIP_* bits (a part left out)."""
-    from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, layer_table, sync_buffer
+def cuda_chain_inputs():
+    """`chain_inputs()` as `gemv_chain_layers` takes them: (layers, their `layer_table`, x)."""
+    from minirt.kernels.gemv_chain_cuda import layer_table
 
     weights, norm_w, x0 = chain_inputs()
     layers = [(*ws, norm_w, norm_w) for ws in weights]
-    table = layer_table(layers)
+    return layers, layer_table(layers), x0
+
+
+def cuda_chain(num_stages: int | None = None, skip: int = 0, sync: str = "barrier",
+               stage_bytes: int = 16384) -> tuple[float, torch.Tensor]:
+    """`layer_chain`'s layers in one persistent CUDA launch (`gemv_chain_layers`, which zeroes its sync buffer in
+    the graph too): microseconds per layer, and the last layer's output. skip: the kernel's SKIP_* bits (a part
+    left out)."""
+    from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, sync_buffer
+
+    layers, table, x0 = cuda_chain_inputs()
     counter = sync_buffer(x0.device)
     outs = []
 
     def step():
-        counter.zero_()
         outs.append(gemv_chain_layers(x0, layers, table=table, counter=counter, num_stages=num_stages, skip=skip,
                                       sync=sync, stage_bytes=stage_bytes).out)
         return outs[-1]
@@ -267,8 +274,7 @@ def chain_depth_agreement() -> dict:
     layers of `chain_inputs()`, eager: how the bf16 rounding steps add up with depth."""
     from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, reference_chain
 
-    weights, norm_w, x0 = chain_inputs()
-    layers = [(*ws, norm_w, norm_w) for ws in weights]
+    layers, _, x0 = cuda_chain_inputs()
     out = {}
     for depth in (1, 2, 4, 8, 16, NUM_LAYERS):
         ref = reference_chain(x0, layers[:depth]).out
@@ -285,11 +291,9 @@ def chain_timeline(sync: str, skip: int = 0) -> dict:
     """One eager launch of the 28-layer CUDA chain with its timeline on: per product, the median over blocks and
     layers 2-27 of each part of a block's time (thread 0's clock between TIMELINE_STAMPS), in microseconds at the
     clock rate the launch's own duration gives; and how far ahead of the consumers the producer issued."""
-    from minirt.kernels.gemv_chain_cuda import TIMELINE_STAMPS, gemv_chain_layers, layer_table
+    from minirt.kernels.gemv_chain_cuda import TIMELINE_STAMPS, gemv_chain_layers
 
-    weights, norm_w, x0 = chain_inputs()
-    layers = [(*ws, norm_w, norm_w) for ws in weights]
-    table = layer_table(layers)
+    layers, table, x0 = cuda_chain_inputs()
     grid = torch.cuda.get_device_properties(0).multi_processor_count
     timeline = torch.zeros(grid, 4 * NUM_LAYERS, len(TIMELINE_STAMPS), dtype=torch.int64, device="cuda")
     for _ in range(3):                                     # warm: the library, the weights' first touch
@@ -442,11 +446,9 @@ def main():
         cuda_chain_sweep(args.out)
         return 0
     if args.cuda_chain_launches:
-        from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, layer_table
+        from minirt.kernels.gemv_chain_cuda import gemv_chain_layers
 
-        weights, norm_w, x0 = chain_inputs()
-        layers = [(*ws, norm_w, norm_w) for ws in weights]
-        table = layer_table(layers)
+        layers, table, x0 = cuda_chain_inputs()
         for _ in range(args.cuda_chain_launches):
             gemv_chain_layers(x0, layers, table=table)
         torch.cuda.synchronize()

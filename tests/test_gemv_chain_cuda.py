@@ -92,18 +92,21 @@ def test_refusals_name_the_field():
         C.gemv_chain_layers(cpu, [])
 
 
+def bf16_step(ref):
+    """bf16's rounding step at each value of ref (float64): 2**-7 of its leading bit."""
+    return torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2 ** -100))) - 7)
+
+
 def rounding_steps(a, ref):
-    """|a - ref| in bf16 rounding steps at ref's magnitude (ref float64; a bf16 step is 2**-7 of the leading bit)."""
-    step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2 ** -100))) - 7)
-    return ((a.double() - ref).abs() / step)
+    """|a - ref| in bf16 rounding steps at ref's magnitude."""
+    return (a.double() - ref).abs() / bf16_step(ref)
 
 
 def assert_rounded_from(name, a, ref, steps=1.0):
     """a is ref (float64) rounded to bf16, but for rare elements that a float32 sum in another order put one step
     away; near zero, where the terms cancel, a step is tiny: there 2**-12 of the vector's RMS is allowed too."""
     assert not a.isnan().any(), f"{name}: not every element written"
-    step = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2 ** -100))) - 7)
-    bad = (a.double() - ref).abs() > steps * step + 2 ** -12 * ref.pow(2).mean().sqrt()
+    bad = (a.double() - ref).abs() > steps * bf16_step(ref) + 2 ** -12 * ref.pow(2).mean().sqrt()
     off = (a != ref.to(torch.bfloat16)).double().mean().item()
     assert not bad.any() and off < 0.02, (f"{name}: {off:.1%} of elements not ref rounded, {int(bad.sum())} off by "
                                           f"more than {steps} steps, worst {rounding_steps(a, ref).max():.2f}")
@@ -168,14 +171,14 @@ def test_chain_is_deterministic_at_any_ring_depth(num_stages, stage_bytes, sync)
 
 @needs_kernel
 def test_chain_in_a_cuda_graph():
-    """Captured once with its counter zeroed in the graph, replayed on new x: the eager launch's results."""
+    """Captured once (the launch zeroes its counter, in the graph too), replayed on new x: the eager launch's
+    results."""
     x, residual, layers = make_layers(*QWEN3, 2, seed=2)
     table = C.layer_table(layers)
     counter = C.sync_buffer(DEVICE)
     C.gemv_chain_layers(x, layers, residual, table=table, counter=counter)       # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        counter.zero_()
         outs = C.gemv_chain_layers(x, layers, residual, table=table, counter=counter)
     for seed in (3, 4):
         x.copy_(make_layers(*QWEN3, 0, seed=seed)[0])

@@ -206,7 +206,16 @@ def layer_table(layers) -> LayerTable:
     any CUDA graph capture (it copies from the host). Raises ValueError naming layers."""
     layers = [tuple(layer) for layer in layers]
     check_layers(layers)
-    pointers = tuple(tuple(t.data_ptr() for t in layer) for layer in layers)
+    return _table(layers)
+
+
+def _pointers(layers) -> tuple:
+    return tuple(tuple(t.data_ptr() for t in layer) for layer in layers)
+
+
+def _table(layers) -> LayerTable:
+    """`layer_table` of layers already checked."""
+    pointers = _pointers(layers)
     return LayerTable(torch.tensor(pointers, dtype=torch.int64).to(layers[0][0].device), pointers)
 
 
@@ -295,9 +304,8 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
     hidden, n_qkv, k_o, inter = check_layers(layers)           # every launch: the table holds only addresses
     if layers[0][0].device != x.device:
         raise ValueError(f"layers: must be on x's device {x.device}, got {layers[0][0].device}")
-    table = layer_table(layers) if table is None else table
-    if not isinstance(table, LayerTable) or table.pointers != tuple(tuple(t.data_ptr() for t in layer)
-                                                                    for layer in layers):
+    table = _table(layers) if table is None else table
+    if not isinstance(table, LayerTable) or table.pointers != _pointers(layers):
         raise ValueError("table: must be layer_table(layers) of these very layers (their addresses differ)")
     if x.numel() != hidden or x.dtype != torch.bfloat16 or not x.is_contiguous() or x.data_ptr() % 16:
         raise ValueError(f"x: must be a contiguous 16-byte-aligned bf16 [1, {hidden}], got {x.dtype} "
