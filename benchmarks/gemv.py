@@ -25,9 +25,8 @@ GEMV's tiles at a time (the others at their defaults), with PDL. Writes `gemv-ch
 
 `--cuda-chain` times `minirt.kernels.gemv_chain_cuda` (all 28 layers in one launch, the weights streamed through a
 shared-memory ring by a producer warp) against the four-kernel chain with PDL and the persistent Triton chain
-(4 programs per SM, PDL) in the same run: both chains' outputs against float64 after 1 to 28 layers; each stage
-size with each way of waiting (a grid barrier or per-block flags, with and without a pause between polls) and with
-the weight stream alone; per-block timelines (the SM clock at each part of each product: wait, input, first stage,
+(4 programs per SM, PDL) in the same run: both chains' outputs against float64 after 1 to 28 layers; the ring
+as deep as shared memory allows and shallower, and the weight stream alone; per-block timelines (the SM clock at each part of each product: wait, input, first stage,
 stages, epilogue; how far ahead the producer issued); and the time with one part left out at a time. Writes
 `gemv-chain-cuda-kernel-<date>.json`. (`chain_inputs()` draws x from its own seeded generator too, so that every
 call returns the same inputs.)
@@ -234,8 +233,7 @@ def cuda_chain_inputs():
     return layers, layer_table(layers), x0
 
 
-def cuda_chain(num_stages: int | None = None, skip: int = 0, sync: str = "barrier",
-               stage_bytes: int = 16384) -> tuple[float, torch.Tensor]:
+def cuda_chain(num_stages: int | None = None, skip: int = 0, stage_bytes: int = 16384) -> tuple[float, torch.Tensor]:
     """`layer_chain`'s layers in one persistent CUDA launch (`gemv_chain_layers`, which zeroes its sync buffer in
     the graph too): microseconds per layer, and the last layer's output. skip: the kernel's SKIP_* bits (a part
     left out)."""
@@ -247,7 +245,7 @@ def cuda_chain(num_stages: int | None = None, skip: int = 0, sync: str = "barrie
 
     def step():
         outs.append(gemv_chain_layers(x0, layers, table=table, counter=counter, num_stages=num_stages, skip=skip,
-                                      sync=sync, stage_bytes=stage_bytes).out)
+                                      stage_bytes=stage_bytes).out)
         return outs[-1]
 
     return us_per_layer(step), outs[-1].clone()
@@ -278,7 +276,7 @@ def chain_depth_agreement() -> dict:
     out = {}
     for depth in (1, 2, 4, 8, 16, NUM_LAYERS):
         ref = reference_chain(x0, layers[:depth]).out
-        cuda, four = gemv_chain_layers(x0, layers[:depth], sync="flags").out, layer_chain_output(depth)
+        cuda, four = gemv_chain_layers(x0, layers[:depth]).out, layer_chain_output(depth)
         out[depth] = {"cuda_vs_float64": rel(cuda, ref), "four_kernels_vs_float64": rel(four, ref),
                       "cuda_vs_four_kernels": rel(cuda, four)}
         print(f"  {depth:2d} layers: CUDA chain {out[depth]['cuda_vs_float64']:.1e} from float64, four kernels "
@@ -287,20 +285,21 @@ def chain_depth_agreement() -> dict:
     return out
 
 
-def chain_timeline(sync: str, skip: int = 0) -> dict:
+def chain_timeline(skip: int = 0) -> dict:
     """One eager launch of the 28-layer CUDA chain with its timeline on: per product, the median over blocks and
     layers 2-27 of each part of a block's time (thread 0's clock between TIMELINE_STAMPS), in microseconds at the
-    clock rate the launch's own duration gives; and how far ahead of the consumers the producer issued."""
+    clock rate the launch's own duration gives; and how far ahead of the consumers the producer issued (None with
+    SKIP_STREAM: no copies)."""
     from minirt.kernels.gemv_chain_cuda import TIMELINE_STAMPS, gemv_chain_layers
 
     layers, table, x0 = cuda_chain_inputs()
     grid = torch.cuda.get_device_properties(0).multi_processor_count
     timeline = torch.zeros(grid, 4 * NUM_LAYERS, len(TIMELINE_STAMPS), dtype=torch.int64, device="cuda")
     for _ in range(3):                                     # warm: the library, the weights' first touch
-        gemv_chain_layers(x0, layers, table=table, sync=sync, skip=skip, timeline=timeline)
+        gemv_chain_layers(x0, layers, table=table, skip=skip, timeline=timeline)
     s, e = ev(), ev()
     s.record()
-    gemv_chain_layers(x0, layers, table=table, sync=sync, skip=skip, timeline=timeline)
+    gemv_chain_layers(x0, layers, table=table, skip=skip, timeline=timeline)
     e.record()
     e.synchronize()
     t = timeline.cpu().double()
@@ -316,12 +315,14 @@ def chain_timeline(sync: str, skip: int = 0) -> dict:
     for p in range(4):
         rows = t[:, [4 * layer + p for layer in range(1, NUM_LAYERS)], :]
         row = {name: us(rows[..., idx[b]] - rows[..., idx[a]]) for name, a, b in parts}
-        row["producer lead"] = us(rows[..., idx["start"]] - rows[..., idx["first copy issued"]])
+        issued = rows[..., idx["first copy issued"]]
+        row["producer lead"] = us(rows[..., idx["start"]] - issued) if (issued > 0).all() else None
         out["products"][names[p]] = row
-    print(f"  timeline, {sync}{', skip ' + str(skip) if skip else ''}: launch {out['launch_us']:.0f} us, "
+    print(f"  timeline{', skip ' + str(skip) if skip else ''}: launch {out['launch_us']:.0f} us, "
           f"clock {ghz:.2f} GHz; per product, median us:", flush=True)
     for name, row in out["products"].items():
-        print("    " + f"{name:8s} " + ", ".join(f"{k} {v:.2f}" for k, v in row.items()), flush=True)
+        print("    " + f"{name:8s} " + ", ".join(f"{k} {'-' if v is None else f'{v:.2f}'}" for k, v in row.items()),
+              flush=True)
     return out
 
 
@@ -346,33 +347,29 @@ def cuda_chain_sweep(out_dir: str) -> None:
     report["depth_agreement"] = chain_depth_agreement()
     want = layer_chain_output()
     report["cuda_chain"] = {}
-    for stage_bytes in (8192, 16384):                     # the ring as deep as shared memory allows
-        for sync in C.SYNC_MODES:
-            us, out = cuda_chain(None, 0, sync, stage_bytes)
-            err = rel(out, want)
-            stages = max_stages(device, 1024, 2048, 3072, stage_bytes)
-            report["cuda_chain"][f"{stage_bytes} x {stages}, {sync}"] = {
-                "us_per_layer": us, "rel_err_vs_four_kernels": err, "fraction_of_copy_bandwidth": ideal / us}
-            print(f"CUDA chain, {stages} stages of {stage_bytes} bytes, {sync}: {us:.2f} us per layer "
-                  f"({ideal / us:.0%} of the copy bandwidth), output vs the four kernels: {err:.1e}", flush=True)
-        us, _ = cuda_chain(None, C.SKIP_BARRIERS | C.SKIP_PROLOGUE | C.SKIP_DOTS, "barrier", stage_bytes)
-        report["cuda_chain"][f"{stage_bytes}, weight stream alone"] = {"us_per_layer": us}
-        print(f"  stages of {stage_bytes} bytes, the weight stream alone: {us:.2f} us per layer "
-              f"({ideal / us:.0%})", flush=True)
+    stage_bytes = C.STAGE_BYTES               # the only size whose tiles give the norms' products a row per warp
+    most = max_stages(device, stage_bytes)
+    for stages in sorted({most, 8, 4}):        # the ring as deep as shared memory allows, and shallower
+        us, out = cuda_chain(stages, 0, stage_bytes)
+        err = rel(out, want)
+        report["cuda_chain"][f"{stage_bytes} x {stages}"] = {
+            "us_per_layer": us, "rel_err_vs_four_kernels": err, "fraction_of_copy_bandwidth": ideal / us}
+        print(f"CUDA chain, {stages} stages of {stage_bytes} bytes: {us:.2f} us per layer "
+              f"({ideal / us:.0%} of the copy bandwidth), output vs the four kernels: {err:.1e}", flush=True)
+    us, _ = cuda_chain(None, C.SKIP_BARRIERS | C.SKIP_PROLOGUE | C.SKIP_DOTS, stage_bytes)
+    report["cuda_chain"][f"{stage_bytes}, weight stream alone"] = {"us_per_layer": us}
+    print(f"  stages of {stage_bytes} bytes, the weight stream alone: {us:.2f} us per layer "
+          f"({ideal / us:.0%})", flush=True)
     # What each part costs: the same launch with a part left out (its results are wrong then).
     parts = {"no waits": C.SKIP_BARRIERS, "no input loads": C.SKIP_PROLOGUE, "no dot products": C.SKIP_DOTS,
              "no weight stream (waits, loads, epilogues)": C.SKIP_STREAM,
              "waits and epilogues alone": C.SKIP_STREAM | C.SKIP_PROLOGUE}
-    report["timeline"] = {f"{sync}, skip {skip}": chain_timeline(sync, skip)
-                          for sync, skip in (("barrier", 0), ("flags", 0), ("barrier", C.SKIP_STREAM))}
+    report["timeline"] = {f"skip {skip}": chain_timeline(skip) for skip in (0, C.SKIP_STREAM)}
     report["breakdown"] = {}
-    for sync in ("barrier", "flags"):
-        for name, skip in parts.items():
-            if sync == "flags" and skip & C.SKIP_PROLOGUE:
-                continue                                   # the flags are waited for in the prologue
-            us, _ = cuda_chain(None, skip, sync)
-            report["breakdown"][f"{sync}, {name}"] = us
-            print(f"  16384-byte stages, {sync}, {name}: {us:.2f} us per layer", flush=True)
+    for name, skip in parts.items():
+        us, _ = cuda_chain(None, skip)
+        report["breakdown"][name] = us
+        print(f"  {name}: {us:.2f} us per layer", flush=True)
     write_report({**report_header(device), **report}, out_dir, f"gemv-chain-cuda-kernel-{datetime.date.today()}")
 
 

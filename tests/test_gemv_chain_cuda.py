@@ -82,12 +82,10 @@ def test_refusals_name_the_field():
     with pytest.raises(ValueError, match="^layers: give at least one"):
         C.layer_table([])
     cpu = torch.zeros(1, 1024, dtype=torch.bfloat16)
-    with pytest.raises(ValueError, match="^grid: sync 'flags' needs hidden and inter"):
-        C.chain_plan(64, 256, 256, 256, grid=132, sync="flags")
-    with pytest.raises(ValueError, match="^grid: sync 'flags' needs hidden and inter"):
-        C.chain_plan(*TINY, grid=132, sync="flags")
-    with pytest.raises(ValueError, match="^sync: one of"):
-        C.chain_plan(*QWEN3, grid=132, sync="spin")
+    with pytest.raises(ValueError, match="^hidden: at most 1024 columns"):
+        C.chain_plan(2048, 4096, 2048, 6144, grid=132)
+    with pytest.raises(ValueError, match="^hidden: a norm's products need a whole row of 1024 columns per warp"):
+        C.chain_plan(*QWEN3, grid=132, stage_bytes=8192)
     with pytest.raises(ValueError, match="^x: the CUDA GEMV chain needs a CUDA device"):
         C.gemv_chain_layers(cpu, [])
 
@@ -112,22 +110,34 @@ def assert_rounded_from(name, a, ref, steps=1.0):
                                           f"more than {steps} steps, worst {rounding_steps(a, ref).max():.2f}")
 
 
+@pytest.mark.parametrize("shape", [QWEN3, ODD, WIDE, TINY], ids=["qwen3", "odd", "wide", "tiny"])
+def test_chain_plan_gives_every_warp_one_share_of_one_stage_row(shape):
+    """Each product's tile (tile_rows' rows; gate/up: gate and up rows) has one row per group of warps and fits a
+    stage; each warp's share is whole 8-column loads that cover k; the norms' products (hidden columns) have one
+    warp per row, which the kernel's sums of squares need."""
+    hidden, n_qkv, k_o, inter = shape
+    plan = C.chain_plan(*shape, grid=132)
+    for p, (n, k, pair) in zip(plan, [(n_qkv, hidden, False), (hidden, k_o, False), (inter, hidden, True),
+                                      (hidden, inter, False)]):
+        stage_rows = (1 << p.rows_log2) * (2 if pair else 1)
+        assert (p.n, p.k, 1 << p.rows_log2) == (n, k, C.tile_rows(k, pair))
+        assert stage_rows << p.wpr_log2 == C.CONSUMER_WARPS and stage_rows * k * 2 <= C.STAGE_BYTES
+        assert p.share << p.wpr_log2 == k and p.share % 8 == 0 and p.share <= 256 * C.MAX_STEPS
+    assert plan[0].wpr_log2 == plan[2].wpr_log2 == 0
+
+
 @needs_kernel
-@pytest.mark.parametrize("sync", ["barrier", "flags"])
 @pytest.mark.parametrize("num_layers", [1, 3])
 @pytest.mark.parametrize("with_residual", [True, False], ids=["residual", "first-layer"])
 @pytest.mark.parametrize("shape,grid", [(QWEN3, None), (ODD, None), (ODD, 33), (WIDE, None), (TINY, None)],
                          ids=["qwen3", "odd", "odd-33-blocks", "wide", "tiny"])
-def test_chain_matches_float64_and_linear_gemv(shape, grid, with_residual, num_layers, sync):
+def test_chain_matches_float64_and_linear_gemv(shape, grid, with_residual, num_layers):
     """Each product of the last layer is float64's product of the chain's own inputs to it, rounded to bf16 (one
     step off at most, for rare elements: float32 sums in another order); the whole chain stays within a few steps
     of float64's (`reference_chain`) and of the four linear_gemv calls (the steps carry from layer to layer)."""
-    if sync == "flags" and shape == TINY:
-        pytest.skip("flags need a row of each product in every block: refused for this shape (test_refusals)")
     x, residual, layers = make_layers(*shape, num_layers)
     residual = residual if with_residual else None
-    got = C.gemv_chain_layers(x, layers, residual, grid=grid, sync=sync,
-                              outputs=poisoned(shape[0], shape[1], shape[3]))
+    got = C.gemv_chain_layers(x, layers, residual, grid=grid, outputs=poisoned(shape[0], shape[1], shape[3]))
     w_qkv, w_o, w_gu, w_down, g1, g2 = (t.double() for t in layers[-1])
     d = lambda t: t.double()  # noqa: E731
     norm = lambda s, g: s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + 1e-6) * g  # noqa: E731
@@ -150,23 +160,23 @@ def test_chain_matches_float64_and_linear_gemv(shape, grid, with_residual, num_l
 
 
 @needs_kernel
-@pytest.mark.parametrize("sync", sorted(C.SYNC_MODES))
-@pytest.mark.parametrize("num_stages,stage_bytes", [(2, 16384), (5, 16384), (None, 16384), (None, 8192)],
-                         ids=str)
-def test_chain_is_deterministic_at_any_ring_depth(num_stages, stage_bytes, sync):
-    """Same inputs, same bits from run to run, whatever the ring, its stages and the way blocks wait (a race would
-    move the error between runs); the stage size moves the sums' order (rows per tile), so each is its own
-    baseline, near float64."""
-    x, residual, layers = make_layers(*QWEN3, 4, seed=1)
-    run = lambda: C.gemv_chain_layers(x, layers, residual, num_stages=num_stages, stage_bytes=stage_bytes,  # noqa
-                                      sync=sync)
+@pytest.mark.parametrize("shape,num_stages,stage_bytes", [(QWEN3, 2, 16384), (QWEN3, 5, 16384),
+                                                          (QWEN3, None, 16384), (TINY, 2, 8192),
+                                                          (TINY, None, 8192)],
+                         ids=["qwen3-2", "qwen3-5", "qwen3-deepest", "tiny-2-of-8192", "tiny-deepest-8192"])
+def test_chain_is_deterministic_at_any_ring_depth(shape, num_stages, stage_bytes):
+    """Same inputs, same bits from run to run, whatever the ring and its stages (a race would move the error
+    between runs); the stage size moves the sums' order (rows per tile), so each is its own baseline, near
+    float64."""
+    x, residual, layers = make_layers(*shape, 4, seed=1)
+    run = lambda: C.gemv_chain_layers(x, layers, residual, num_stages=num_stages, stage_bytes=stage_bytes)  # noqa
     first = run()
     want = C.reference_chain(x, layers, residual).out
     assert rel_err(first.out, want) < 2 ** -6, f"{rel_err(first.out, want):.2e} from float64"
     for _ in range(3):
         again = run()
         for name, a, b in zip(C.ChainOutputs._fields, first, again):
-            assert torch.equal(a, b), f"{name}: differs between runs ({num_stages} x {stage_bytes} bytes, {sync})"
+            assert torch.equal(a, b), f"{name}: differs between runs ({num_stages} x {stage_bytes} bytes)"
 
 
 @needs_kernel
@@ -189,15 +199,14 @@ def test_chain_in_a_cuda_graph():
 
 
 @needs_kernel
-@pytest.mark.parametrize("sync", ["barrier", "flags"])
-def test_timeline_stamps_follow_each_block_through_its_products(sync):
+def test_timeline_stamps_follow_each_block_through_its_products():
     """Every block stamps every product, its consumer stamps in order and each product after the one before;
     the producer issues a product's first copy before its last. The results are the untimed launch's."""
     x, residual, layers = make_layers(*ODD, 3, seed=5)
     grid = C.num_sms(DEVICE)
     timeline = torch.zeros(grid, 12, len(C.TIMELINE_STAMPS), dtype=torch.int64, device=DEVICE)
-    got = C.gemv_chain_layers(x, layers, residual, sync=sync, timeline=timeline)
-    want = C.gemv_chain_layers(x, layers, residual, sync=sync)
+    got = C.gemv_chain_layers(x, layers, residual, timeline=timeline)
+    want = C.gemv_chain_layers(x, layers, residual)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     t = timeline.cpu()
     consumer = t[..., :6]
@@ -257,7 +266,7 @@ def fake_launch(monkeypatch):
                new(hidden)) for _ in range(3)]
     table = C.LayerTable(new(3, 6, dtype=torch.int64), tuple(tuple(t.data_ptr() for t in layer) for layer in layers))
     args = dict(x=new(1, hidden), layers=layers, residual=new(1, hidden), table=table,
-                counter=new(C.FLAG_STRIDE * 133, dtype=torch.int32),
+                counter=new(C.SYNC_INTS, dtype=torch.int32),
                 outputs=C.ChainOutputs(new(1, n_qkv), new(1, hidden), new(1, hidden), new(1, inter), new(1, hidden),
                                        new(1, hidden)))
     return calls, args, new
@@ -265,13 +274,14 @@ def fake_launch(monkeypatch):
 
 def test_the_launch_gets_each_argument_and_a_zeroed_counter(fake_launch):
     calls, args, _ = fake_launch
-    outs = C.gemv_chain_layers(**args, sync="flags", skip=C.SKIP_DOTS)
+    outs = C.gemv_chain_layers(**args, skip=C.SKIP_DOTS)
     (launch,) = calls
     o = args["outputs"]
     want = (args["table"].addresses.ptr, 3, args["x"].ptr, args["residual"].ptr, o.qkv.ptr, o.o.ptr, o.act.ptr,
-            o.out.ptr, o.stream_attn.ptr, o.stream_mlp.ptr, args["counter"].ptr, *QWEN3)
-    assert launch[:15] == want and list(launch[15]) == C.chain_plan(*QWEN3, grid=132)
-    assert launch[16:] == (12, 1e-6, 132, C.SYNC_MODES["flags"] | C.SKIP_DOTS, None, 1234)
+            o.out.ptr, o.stream_attn.ptr, o.stream_mlp.ptr, args["counter"].ptr)
+    assert launch[:11] == want
+    assert list(launch[11]) == [v for product in C.chain_plan(*QWEN3, grid=132) for v in product]
+    assert launch[12:] == (12, 1e-6, 132, C.SKIP_DOTS, None, 1234)
     assert args["counter"].zeroed == 1 and outs == o
 
 
@@ -285,7 +295,7 @@ def test_the_launch_gets_each_argument_and_a_zeroed_counter(fake_launch):
     (lambda a, new: a.update(grid=133), "^grid: 1 to 132"),
     (lambda a, new: a.update(num_stages=13), "^num_stages: 2 to 12"),
     (lambda a, new: a.update(skip=64), "^skip: "),
-    (lambda a, new: a.update(counter=new(C.FLAG_STRIDE * 132, dtype=torch.int32)), "^counter: "),
+    (lambda a, new: a.update(counter=new(C.SYNC_INTS - 1, dtype=torch.int32)), "^counter: "),
     (lambda a, new: a.update(timeline=new(132, 12, 7, dtype=torch.int64)), "^timeline: "),
     (lambda a, new: a.update(outputs=a["outputs"]._replace(act=new(1, 4096))), "^outputs: act "),
     (lambda a, new: a.update(outputs=a["outputs"]._replace(act=FakeTensor(1, 3072, ptr=a["outputs"].qkv.ptr))),

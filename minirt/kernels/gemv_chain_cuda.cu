@@ -1,17 +1,18 @@
 // The layers' GEMV chain at batch 1 in one persistent CUDA kernel with its weights streamed through shared memory
-// (issue 23's megakernel, second step; minirt/kernels/gemv_chain_cuda.py builds it with nvcc, checks the
-// arguments and launches it through ctypes).
+// (issue 23's megakernel, second step; minirt/kernels/gemv_chain_cuda.py plans the tiles, builds it with nvcc,
+// checks the arguments and launches it through ctypes).
 //
 // One thread block per SM, for the whole launch (every layer). Each block owns a contiguous range of output rows
 // in each of a layer's four products, so it knows from the start every weight byte it will read, in order:
 //   - a producer warp streams them, tile after tile, layer after layer, into a ring of shared-memory stages with
 //     the bulk-copy engine (`cp.async.bulk`, completing on an mbarrier per stage); it waits only for a free stage,
 //     never for activations, so the memory keeps streaming while the other warps wait for the rest of the grid;
-//   - eight consumer warps wait for the previous product's output (a grid barrier on an atomic count, or a flag
-//     per block), read it from L2 into shared memory (with the norm's prologue), then take the stages as they
-//     fill: each warp one row (or a share of one row's columns), a dot product of 16-byte loads in independent
-//     chains, each lane's sum kept in shared memory; the epilogue adds a row's lane sums in a fixed order (the same
-//     bits on every run) and writes the row.
+//   - eight consumer warps wait for the previous product's output (a grid barrier on an atomic count), then each
+//     warp loads the input columns it multiplies straight from L2 into registers (a norm's products: the whole
+//     vector, for its sum of squares; the residual stream stays in every warp's registers from layer to layer),
+//     and takes the stages as they fill: one row (or a share of one row's columns) per warp, a dot product of
+//     16-byte loads in independent chains, summed across the warp's lanes in a fixed order; the epilogue adds a
+//     row's warps in a fixed order (the same bits on every run) and writes the row.
 // The scheme is Hazy Research's Llama-1B "megakernel" (2025: weights loaded ahead through a shared-memory pipeline
 // while instructions wait on counters) and the warp-specialized producer/consumer pipelines of CUTLASS's Hopper
 // kernels, cut down to this chain.
@@ -35,22 +36,24 @@ constexpr int THREADS = CONSUMERS + 32;          // + the producer warp
 #define MINIRT_STAGE_BYTES 16384
 #endif
 constexpr int STAGE_BYTES = MINIRT_STAGE_BYTES;  // one ring stage (gemv_chain_cuda.py builds a library per size)
-constexpr int MAX_STEPS = 4;                     // a warp's share of a row: at most 4 x 256 columns
-constexpr int MAX_TILES = 16;                    // stage tiles per block per product (the lane sums' buffer)
-constexpr int MAX_X_VECS = 4;                    // a product's input: at most 4 x 8 x CONSUMERS columns
+constexpr int MAX_STEPS = 4;                     // a warp's input columns: at most 4 x 256 (hidden too)
+constexpr int MAX_TILES = 16;                    // stage tiles per block per product (the warp sums' buffer)
 // Params::flags, for benchmarks/gemv.py's breakdown of the time (each leaves a part out; results are then wrong)
 constexpr int SKIP_BARRIERS = 1, SKIP_PROLOGUE = 2, SKIP_DOTS = 4, SKIP_STREAM = 8;
-// ... and how blocks wait for each other: a grid barrier on one count (0), with a pause between polls (BACKOFF), or
-// per-block flags (SYNC_FLAGS): each block publishes the products it finished, and each thread waits only for the
-// blocks that wrote the input columns it loads (every block writes rows of every product, so a block's threads
-// together still wait for all blocks: each phase waits for the whole previous one, as with the barrier).
-constexpr int SYNC_FLAGS = 16, BACKOFF = 32;
-constexpr int FLAG_STRIDE = 32;                  // a block's flag every 128 bytes, after the count
 // Params::timeline: per block and product, the SM's clock when thread 0 starts the product, is through the grid
-// barrier (SYNC_FLAGS: the flags are waited for with the input), through its input, has its first stage, is through
-// its stages, through its epilogue; when the producer issues the product's first and last copy (unset where it
-// streams no rows of the product; gemv_chain_cuda.py's TIMELINE_STAMPS names them).
+// barrier, through its (warp's) input, has its first stage, all warps are through their stages, through its
+// epilogue; when the producer issues the product's first and last copy (unset where it streams no rows of the
+// product; gemv_chain_cuda.py's TIMELINE_STAMPS names them).
 constexpr int STAMPS = 8;
+
+// One of a layer's four products as gemv_chain_cuda.py's chain_plan tiles it (powers of two as shifts: no
+// division in the kernel's loops).
+struct Product {
+  int n, k;          // output rows, input columns
+  int rows_log2;     // output rows per stage tile (gate/up: pairs, gate rows then up rows in the stage)
+  int wpr_log2;      // warps per stage row, each `share` of its columns
+  int share;         // k >> wpr_log2
+};
 
 struct Params {
   const long long* layers;   // [num_layers][6] addresses: W_qkv, W_o, W_gate_up, W_down, g1, g2
@@ -63,9 +66,8 @@ struct Params {
   __nv_bfloat16* out;             // [hidden]: each layer's output, the next one's x
   __nv_bfloat16* s1;              // [hidden]: the last layer's streams (block 0 writes them)
   __nv_bfloat16* s2;
-  unsigned* counter;              // zero at launch: the count, then (SYNC_FLAGS) a flag per block
-  int hidden, n_qkv, k_o, inter;
-  int rows[4];                    // output rows per stage tile, per product (gate/up: pairs)
+  unsigned* counter;              // zero at launch: the grid barrier's count
+  Product prod[4];                // qkv, o, gate/up, down
   int num_stages;
   float eps;
   int flags;                      // 0, or SKIP_* bits (timing breakdowns only)
@@ -103,7 +105,7 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
 __device__ __forceinline__ void consumer_sync() {      // named barrier 1: the consumer warps only
   asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");
 }
-__device__ __forceinline__ float warp_sum(float v) {
+__device__ __forceinline__ float warp_sum(float v) {   // the same tree on every lane: lane 0's sum is fixed
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
   return v;
@@ -118,66 +120,224 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void wait_at_least(const unsigned* p, unsigned target, bool backoff) {
-  while (load_acquire(p) < target)
-    if (backoff) __nanosleep(32);
-}
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target, bool backoff) {
+__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
   consumer_sync();
   if (threadIdx.x == 0) {
     asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
-    wait_at_least(counter, target, backoff);
+    while (load_acquire(counter) < target) {
+    }
   }
   consumer_sync();
 }
-// SYNC_FLAGS: after its epilogue's stores, the block publishes `epoch` (the count of products it has finished).
-__device__ __forceinline__ void publish(unsigned* flag, unsigned epoch) {
-  consumer_sync();
-  if (threadIdx.x == 0)
-    asm volatile("fence.acq_rel.gpu;\nst.relaxed.gpu.global.u32 [%0], %1;" :: "l"(flag), "r"(epoch) : "memory");
-}
-// The block that owns output row j of an n-row product (the inverse of block_rows' split).
-__device__ __forceinline__ int row_owner(int j, int n) {
-  return static_cast<int>(((static_cast<long long>(j) + 1) * gridDim.x + n - 1) / n) - 1;
-}
 
-// Output rows [lo, hi) of product p owned by this block: an even split of n rows over the grid.
+// Output rows [lo, hi) of an n-row product owned by this block: an even split over the grid.
 // (32-bit: the Python side keeps n x grid below 2**32.)
 __device__ __forceinline__ void block_rows(int n, int& lo, int& hi) {
   lo = static_cast<int>(static_cast<unsigned>(n) * blockIdx.x / gridDim.x);
   hi = static_cast<int>(static_cast<unsigned>(n) * (blockIdx.x + 1) / gridDim.x);
 }
-static_assert(16 == MAX_TILES && 8 == CONSUMER_WARPS, "LANE_STRIDE below");
-// A row's sum: its wpr warps' 32 lane sums each (lane-major in shared memory, so that the threads summing
-// neighbouring rows read neighbouring words: no bank conflicts), in a fixed order, four chains.
-constexpr int LANE_STRIDE = 16 * 8;              // MAX_TILES x CONSUMER_WARPS
-__device__ __forceinline__ float row_sum(const float* warps, int wpr) {
-  float c[4] = {0.f, 0.f, 0.f, 0.f};
-  for (int q = 0; q < wpr; ++q) {
-#pragma unroll
-    for (int lane = 0; lane < 32; ++lane) c[lane % 4] += warps[lane * LANE_STRIDE + q];
-  }
-  return (c[0] + c[1]) + (c[2] + c[3]);
-}
-
-// Product p's output rows, input columns and output rows per stage tile (selects, not an indexed array: a run-time
-// index into the parameters would copy them to local memory).
-__device__ __forceinline__ int n_out(const Params& P, int p) {
-  return p == 0 ? P.n_qkv : p == 2 ? P.inter : P.hidden;
-}
-__device__ __forceinline__ int k_in(const Params& P, int p) {
-  return p == 1 ? P.k_o : p == 3 ? P.inter : P.hidden;
-}
-__device__ __forceinline__ int tile_rows(const Params& P, int p) {
-  return p == 0 ? P.rows[0] : p == 1 ? P.rows[1] : p == 2 ? P.rows[2] : P.rows[3];
-}
 
 __device__ __forceinline__ void stamp(const Params& P, int product, int slot) {
-  if (P.timeline != nullptr)
-    P.timeline[(static_cast<long long>(blockIdx.x) * P.num_layers * 4 + product) * STAMPS + slot] = clock64();
+  P.timeline[(static_cast<long long>(blockIdx.x) * P.num_layers * 4 + product) * STAMPS + slot] = clock64();
 }
 
 __device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
+
+__device__ __forceinline__ void unpack(const uint4& u, float (&v)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float2 f = __bfloat1622float2(h[e]);
+    v[2 * e] = f.x;
+    v[2 * e + 1] = f.y;
+  }
+}
+
+// A block's rows of each product, its ring position, and (in each consumer warp's registers) the residual stream.
+struct Block {
+  int lo[4], hi[4];            // output rows [lo, hi) of each product
+  uint32_t stage, phase;       // the next ring stage to take, and its mbarrier parity
+};
+__device__ __forceinline__ void next_stage(Block& b, int num_stages) {
+  if (++b.stage == static_cast<uint32_t>(num_stages)) {
+    b.stage = 0;
+    b.phase ^= 1;
+  }
+}
+
+// The producer: every weight tile of the block's rows of product p of one layer, in the consumers' order.
+template <int p>
+__device__ __forceinline__ void produce(const Params& P, Block& b, const __nv_bfloat16* w, int l, unsigned char* ring,
+                                        uint64_t* full, uint64_t* empty, bool stamps) {
+  const Product& pr = P.prod[p];
+  const int r = 1 << pr.rows_log2;
+  for (int r0 = b.lo[p]; r0 < b.hi[p]; r0 += r) {
+    mbar_wait(&empty[b.stage], b.phase ^ 1);            // a fresh barrier passes parity 1 at once
+    if (stamps && r0 == b.lo[p]) stamp(P, l * 4 + p, 6);
+    if (stamps && r0 + r >= b.hi[p]) stamp(P, l * 4 + p, 7);
+    const uint32_t bytes = static_cast<uint32_t>(min(r, b.hi[p] - r0) * pr.k) * 2u;
+    unsigned char* stage = ring + b.stage * STAGE_BYTES;
+    mbar_arrive_expect_tx(&full[b.stage], p == 2 ? 2 * bytes : bytes);
+    bulk_load(stage, w + static_cast<long long>(r0) * pr.k, bytes, &full[b.stage]);
+    if (p == 2)   // the up rows of the same outputs, r rows further in the stage
+      bulk_load(stage + r * pr.k * 2, w + static_cast<long long>(P.prod[2].n + r0) * pr.k, bytes, &full[b.stage]);
+    next_stage(b, P.num_stages);
+  }
+}
+
+// One consumer warp's part of product p of layer l: wait, input, stages; then the block's epilogue.
+// stream: the residual stream's columns lane * 8 + i * 256 at stream[i * 32 + lane], as bf16 (its values are: no
+// rounding), every warp its own copy in shared memory (hidden <= 1024; in registers they would spill).
+template <int p>
+__device__ __forceinline__ void consume(const Params& P, Block& b, uint4* stream, int l,
+                                        unsigned char* ring, uint64_t* full, uint64_t* empty, float* red,
+                                        bool stamps) {
+  constexpr bool norm = p == 0 || p == 2;
+  const Product& pr = P.prod[p];
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int epoch = l * 4 + p;                         // products finished before this one
+  const bool first = p == 0 && l == 0;                 // the caller's x and residual: not written in this launch
+  const bool stream_on = !(P.flags & SKIP_STREAM), dots = !(P.flags & SKIP_DOTS);
+  const int row = warp >> pr.wpr_log2;                 // the warp's row of a stage tile
+  const int c0 = (warp & ((1 << pr.wpr_log2) - 1)) * pr.share + lane * 8;   // its lane's first column
+  bool live_step[MAX_STEPS];
+#pragma unroll
+  for (int i = 0; i < MAX_STEPS; ++i) live_step[i] = i * 256 + lane * 8 < pr.share;
+
+  // The norm's weight does not depend on the previous product: loaded before the wait.
+  uint4 gv[MAX_STEPS];
+  if (norm) {
+    const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(P.layers[l * 6 + (p == 0 ? 4 : 5)]);
+#pragma unroll
+    for (int i = 0; i < MAX_STEPS; ++i)
+      if (live_step[i]) gv[i] = *reinterpret_cast<const uint4*>(g + c0 + i * 256);
+  }
+  if (stamps && tid == 0) stamp(P, epoch, 0);
+  if (epoch > 0 && !(P.flags & SKIP_BARRIERS)) grid_barrier(P.counter, epoch * gridDim.x);
+  if (stamps && tid == 0) stamp(P, epoch, 1);
+
+  // Input: the warp's columns of x, every load issued before the first is used (one round trip to L2). With a
+  // norm (one warp per row: all columns) the stream moves on and its sum of squares is the warp's own.
+  float xr[MAX_STEPS][8];
+  float rstd = 1.f;
+  if (!(P.flags & SKIP_PROLOGUE)) {
+    const __nv_bfloat16* x = p == 0 ? (first ? P.x : P.out) : p == 1 ? P.qkv : p == 2 ? P.o : P.act;
+    uint4 xv[MAX_STEPS], rv[MAX_STEPS];
+#pragma unroll
+    for (int i = 0; i < MAX_STEPS; ++i) {
+      if (!live_step[i]) continue;
+      const uint4* src = reinterpret_cast<const uint4*>(x + c0 + i * 256);
+      xv[i] = first ? *src : __ldcg(src);
+      if (first && P.residual != nullptr) rv[i] = *reinterpret_cast<const uint4*>(P.residual + c0 + i * 256);
+    }
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < MAX_STEPS; ++i) {
+      if (!live_step[i]) continue;
+      unpack(xv[i], xr[i]);
+      if (!norm) continue;
+      float g[8], res[8];
+      unpack(gv[i], g);
+      if (!first) unpack(stream[i * 32 + lane], res);             // the layer before's s2 (p = 0) or this layer's s1
+      else if (P.residual != nullptr) unpack(rv[i], res);
+      __nv_bfloat162 kept[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float2 s = make_float2(xr[i][2 * e], xr[i][2 * e + 1]);
+        if (!first || P.residual != nullptr) s = make_float2(bf(s.x + res[2 * e]), bf(s.y + res[2 * e + 1]));
+        kept[e] = __floats2bfloat162_rn(s.x, s.y);
+        xr[i][2 * e] = s.x * g[2 * e];
+        xr[i][2 * e + 1] = s.y * g[2 * e + 1];
+        sq = fmaf(s.x, s.x, sq);
+        sq = fmaf(s.y, s.y, sq);
+      }
+      stream[i * 32 + lane] = *reinterpret_cast<const uint4*>(kept);
+      if (l == P.num_layers - 1 && blockIdx.x == 0 && warp == 0)
+        *reinterpret_cast<uint4*>((p == 0 ? P.s1 : P.s2) + c0 + i * 256) = *reinterpret_cast<const uint4*>(kept);
+    }
+    if (norm) rstd = rsqrtf(warp_sum(sq) / pr.k + P.eps);   // every warp the same sum, in the same order
+  } else {
+#pragma unroll
+    for (int i = 0; i < MAX_STEPS; ++i)
+#pragma unroll
+      for (int e = 0; e < 8; ++e) xr[i][e] = 0.f;
+  }
+  if (stamps && tid == 0) stamp(P, epoch, 2);
+
+  // The stages: tiles of r output rows (gate/up: r gate rows, then r up rows) of k columns.
+  const int r = 1 << pr.rows_log2;
+  const int rows = b.hi[p] - b.lo[p];
+  const int tile_row = p == 2 ? (row & (r - 1)) : row;  // the warp's output row in its tile (gate/up: in its half)
+  const int offset = row * pr.k + c0;                   // its lane's first weight in a stage, in bf16 elements
+  // A tile's lane sums are added across the warp while the next tile's loads are in flight.
+  float pending = 0.f;
+  for (int t = 0, r0 = 0; r0 < rows; ++t, r0 += r) {
+    if (stream_on) mbar_wait(&full[b.stage], b.phase);
+    if (stamps && tid == 0 && t == 0) stamp(P, epoch, 3);
+    const bool live = tile_row < rows - r0 && dots;
+    const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(ring + b.stage * STAGE_BYTES) + offset;
+    uint4 w8[MAX_STEPS];
+#pragma unroll
+    for (int i = 0; i < MAX_STEPS; ++i)        // every load of the stage first, then the arithmetic
+      if (live && live_step[i]) w8[i] = *reinterpret_cast<const uint4*>(w + i * 256);
+    if (t > 0) {
+      pending = warp_sum(pending);
+      if (lane == 0) red[(t - 1) * CONSUMER_WARPS + warp] = pending;
+    }
+    float acc = 0.f;
+    if (live) {
+      float chain[MAX_STEPS][2];
+#pragma unroll
+      for (int i = 0; i < MAX_STEPS; ++i) {
+        chain[i][0] = chain[i][1] = 0.f;
+        if (live_step[i]) {
+          const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w8[i]);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = __bfloat1622float2(w2[e]);
+            chain[i][0] = fmaf(f.x, xr[i][2 * e], chain[i][0]);
+            chain[i][1] = fmaf(f.y, xr[i][2 * e + 1], chain[i][1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < MAX_STEPS; ++i) acc += chain[i][0] + chain[i][1];
+    }
+    __syncwarp();                                // every lane's reads of the stage are done
+    if (lane == 0 && stream_on) mbar_arrive(&empty[b.stage]);
+    next_stage(b, P.num_stages);
+    pending = acc;
+  }
+  if (rows > 0) {
+    pending = warp_sum(pending);
+    if (lane == 0) red[(((rows - 1) >> pr.rows_log2)) * CONSUMER_WARPS + warp] = pending;
+  }
+  consumer_sync();
+  if (stamps && tid == 0) stamp(P, epoch, 4);
+
+  // Epilogue: one thread per output row of the block, its warps' sums in a fixed order.
+  if (tid < rows) {
+    const int wpr = 1 << pr.wpr_log2;
+    const float* part = red + (tid >> pr.rows_log2) * CONSUMER_WARPS;
+    const int j = tid & (r - 1);
+    float y = 0.f;
+    for (int q = 0; q < wpr; ++q) y += part[(j << pr.wpr_log2) + q];
+    const int o_row = b.lo[p] + tid;
+    if (p == 0) {
+      P.qkv[o_row] = __float2bfloat16(y * rstd);
+    } else if (p == 1) {
+      P.o[o_row] = __float2bfloat16(y);
+    } else if (p == 2) {
+      float u = 0.f;
+      for (int q = 0; q < wpr; ++q) u += part[((r + j) << pr.wpr_log2) + q];
+      const float gate = bf(y * rstd), up = bf(u * rstd);
+      P.act[o_row] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+    } else {
+      P.out[o_row] = __float2bfloat16(y);
+    }
+  }
+  if (stamps && tid == 0) stamp(P, epoch, 5);
+}
 
 __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -185,12 +345,15 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
   unsigned char* ring = smem;                                                   // S x STAGE_BYTES
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + S * STAGE_BYTES);         // S
   uint64_t* empty = full + S;                                                   // S
-  float* xs = reinterpret_cast<float*>(empty + S);           // [max K]: this product's input, norm weight applied
-  float* stream = xs + max(P.inter, max(P.k_o, P.hidden));   // [hidden]: the residual stream, exact bf16 values
-  float* red = stream + P.hidden;          // [MAX_TILES][CONSUMER_WARPS][32] lane sums, then [CONSUMER_WARPS] sumsq
+  float* red = reinterpret_cast<float*>(empty + S);        // [MAX_TILES][CONSUMER_WARPS] warp sums
+  uint4* streams = reinterpret_cast<uint4*>(red + MAX_TILES * CONSUMER_WARPS);  // [CONSUMER_WARPS][MAX_STEPS * 32]
+  const bool stamps = P.timeline != nullptr;
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-
+  Block b;
+#pragma unroll
+  for (int p = 0; p < 4; ++p) block_rows(P.prod[p].n, b.lo[p], b.hi[p]);
+  b.stage = 0;
+  b.phase = 0;
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
@@ -200,226 +363,37 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
   }
   __syncthreads();
 
-  if (warp == CONSUMER_WARPS) {                   // the producer: every weight tile of the launch, in order
-    if (lane == 0 && !(P.flags & SKIP_STREAM)) {
-      uint32_t it = 0;
+  if (threadIdx.x / 32 == CONSUMER_WARPS) {          // the producer: every weight tile of the launch, in order
+    if (threadIdx.x % 32 == 0 && !(P.flags & SKIP_STREAM)) {
       for (int l = 0; l < P.num_layers; ++l) {
-        for (int p = 0; p < 4; ++p) {
-          const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(P.layers[l * 6 + p]);
-          const int k = k_in(P, p), r = tile_rows(P, p);
-          int lo, hi;
-          block_rows(n_out(P, p), lo, hi);
-          for (int r0 = lo; r0 < hi; r0 += r, ++it) {
-            const int s = it % S;
-            mbar_wait(&empty[s], ((it / S) & 1) ^ 1);    // a fresh barrier passes parity 1 at once
-            if (r0 == lo) stamp(P, l * 4 + p, 6);
-            if (r0 + r >= hi) stamp(P, l * 4 + p, 7);
-            const uint32_t bytes = static_cast<uint32_t>(min(r, hi - r0) * k) * 2u;
-            unsigned char* stage = ring + s * STAGE_BYTES;
-            mbar_arrive_expect_tx(&full[s], p == 2 ? 2 * bytes : bytes);
-            bulk_load(stage, w + static_cast<long long>(r0) * k, bytes, &full[s]);
-            if (p == 2)   // the up rows of the same outputs, r rows further in the stage
-              bulk_load(stage + r * k * 2, w + static_cast<long long>(P.inter + r0) * k, bytes, &full[s]);
-          }
-        }
+        const long long* lw = P.layers + l * 6;
+        produce<0>(P, b, reinterpret_cast<const __nv_bfloat16*>(lw[0]), l, ring, full, empty, stamps);
+        produce<1>(P, b, reinterpret_cast<const __nv_bfloat16*>(lw[1]), l, ring, full, empty, stamps);
+        produce<2>(P, b, reinterpret_cast<const __nv_bfloat16*>(lw[2]), l, ring, full, empty, stamps);
+        produce<3>(P, b, reinterpret_cast<const __nv_bfloat16*>(lw[3]), l, ring, full, empty, stamps);
       }
     }
     return;
   }
 
-  const int tid = threadIdx.x;
-  float* sumsq = red + MAX_TILES * CONSUMER_WARPS * 32;
-  uint32_t it = 0;
+  uint4* stream = streams + (threadIdx.x / 32) * MAX_STEPS * 32;
   for (int l = 0; l < P.num_layers; ++l) {
-    const long long* lw = P.layers + l * 6;
-    for (int p = 0; p < 4; ++p) {
-      const bool flags = P.flags & SYNC_FLAGS, backoff = P.flags & BACKOFF;
-      const unsigned epoch = l * 4 + p;                    // products finished before this one
-      if (tid == 0) stamp(P, epoch, 0);
-      if ((l > 0 || p > 0) && !(P.flags & SKIP_BARRIERS) && !flags)
-        grid_barrier(P.counter, epoch * gridDim.x, backoff);
-      if (tid == 0) stamp(P, epoch, 1);
-      const int k = k_in(P, p);
-      // Prologue: this product's input x into xs (the norm's weight applied, the stream updated). Every load
-      // of a thread is issued before the first is used: one round trip to L2.
-      float sq = 0.f;
-      if (!(P.flags & SKIP_PROLOGUE)) {
-        const bool norm = p == 0 || p == 2;
-        const bool first = l == 0 && p == 0;           // the caller's x and residual: not written in this launch
-        const __nv_bfloat16* x = p == 0 ? (first ? P.x : P.out) : p == 1 ? P.qkv : p == 2 ? P.o : P.act;
-        const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(lw[p == 0 ? 4 : 5]);
-        uint4 xv[MAX_X_VECS], gv[MAX_X_VECS], rv[MAX_X_VECS];
-        if (flags && !first && !(P.flags & SKIP_BARRIERS)) {   // the writers of this thread's columns, done?
-          const int n_prev = p == 0 ? P.hidden : p == 1 ? P.n_qkv : p == 2 ? P.hidden : P.inter;
-#pragma unroll
-          for (int i = 0; i < MAX_X_VECS; ++i) {
-            const int c = (tid + i * CONSUMERS) * 8;
-            if (c < k) {
-              const int b0 = row_owner(c, n_prev), b1 = row_owner(c + 7, n_prev);
-              for (int b = b0; b <= b1; ++b) wait_at_least(P.counter + FLAG_STRIDE * (b + 1), epoch, backoff);
-            }
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < MAX_X_VECS; ++i) {
-          const int c = (tid + i * CONSUMERS) * 8;
-          if (c < k) {
-            const uint4* src = reinterpret_cast<const uint4*>(x + c);
-            xv[i] = first ? *src : __ldcg(src);
-            if (norm) gv[i] = *reinterpret_cast<const uint4*>(g + c);
-            if (first && P.residual != nullptr) rv[i] = *reinterpret_cast<const uint4*>(P.residual + c);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < MAX_X_VECS; ++i) {
-          const int c = (tid + i * CONSUMERS) * 8;
-          if (c >= k) continue;
-          const __nv_bfloat162* x2 = reinterpret_cast<const __nv_bfloat162*>(&xv[i]);
-          float v[8];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = __bfloat1622float2(x2[e]);
-            v[2 * e] = f.x;
-            v[2 * e + 1] = f.y;
-          }
-          if (!norm) {
-#pragma unroll
-            for (int e = 0; e < 8; ++e) xs[c + e] = v[e];
-            continue;
-          }
-          const __nv_bfloat162* g2 = reinterpret_cast<const __nv_bfloat162*>(&gv[i]);
-          const __nv_bfloat162* r2 = reinterpret_cast<const __nv_bfloat162*>(&rv[i]);
-          __nv_bfloat162 kept[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 gf = __bfloat1622float2(g2[e]);
-            float a = v[2 * e], b = v[2 * e + 1];
-            if (!first) {                      // the stream: the layer before's s2 (p = 0) or this layer's s1
-              a = bf(a + stream[c + 2 * e]);
-              b = bf(b + stream[c + 2 * e + 1]);
-            } else if (P.residual != nullptr) {
-              const float2 rf = __bfloat1622float2(r2[e]);
-              a = bf(a + rf.x);
-              b = bf(b + rf.y);
-            }
-            stream[c + 2 * e] = a;
-            stream[c + 2 * e + 1] = b;
-            xs[c + 2 * e] = a * gf.x;
-            xs[c + 2 * e + 1] = b * gf.y;
-            sq += a * a + b * b;
-            kept[e] = __floats2bfloat162_rn(a, b);
-          }
-          if (blockIdx.x == 0 && l == P.num_layers - 1)
-            *reinterpret_cast<uint4*>((p == 0 ? P.s1 : P.s2) + c) = *reinterpret_cast<const uint4*>(kept);
-        }
-        if (norm) {
-          sq = warp_sum(sq);
-          if (lane == 0) sumsq[warp] = sq;
-        }
-      }
-      consumer_sync();
-      if (tid == 0) stamp(P, epoch, 2);
-
-      // The stages: a tile of r output rows (gate/up: r gate rows, then r up rows) of k columns.
-      const int r = tile_rows(P, p);
-      const int stage_rows = p == 2 ? 2 * r : r;
-      const int wpr = CONSUMER_WARPS / stage_rows;          // warps per stage row, each a share of its columns
-      const int row = warp / wpr, share = k / wpr;
-      const int c0 = (warp % wpr) * share;
-      int lo, hi;
-      block_rows(n_out(P, p), lo, hi);
-      // Each lane reads the same columns of every row it takes in this product: its share of x in registers.
-      float xr[MAX_STEPS][8];
-#pragma unroll
-      for (int i = 0; i < MAX_STEPS; ++i) {
-        const int c = c0 + i * 256 + lane * 8;
-        if (i * 256 + lane * 8 < share) {
-          const float4 xa = *reinterpret_cast<const float4*>(xs + c);
-          const float4 xb = *reinterpret_cast<const float4*>(xs + c + 4);
-          xr[i][0] = xa.x; xr[i][1] = xa.y; xr[i][2] = xa.z; xr[i][3] = xa.w;
-          xr[i][4] = xb.x; xr[i][5] = xb.y; xr[i][6] = xb.z; xr[i][7] = xb.w;
-        }
-      }
-      int t = 0;
-      for (int r0 = lo; r0 < hi; r0 += r, ++it, ++t) {
-        const int s = it % S;
-        const bool stream_on = !(P.flags & SKIP_STREAM);
-        if (stream_on) mbar_wait(&full[s], (it / S) & 1);
-        if (tid == 0 && r0 == lo) stamp(P, epoch, 3);
-        const int live = min(r, hi - r0);
-        float acc = 0.f;                           // this lane's share of its row, in independent chains
-        if ((p == 2 ? row % r : row) < live && !(P.flags & SKIP_DOTS)) {
-          const __nv_bfloat16* wrow =
-              reinterpret_cast<const __nv_bfloat16*>(ring + s * STAGE_BYTES) + row * k + c0 + lane * 8;
-          uint4 w8[MAX_STEPS];
-#pragma unroll
-          for (int i = 0; i < MAX_STEPS; ++i)      // every load of the stage first, then the arithmetic
-            if (i * 256 + lane * 8 < share) w8[i] = *reinterpret_cast<const uint4*>(wrow + i * 256);
-          float chain[MAX_STEPS][2];
-#pragma unroll
-          for (int i = 0; i < MAX_STEPS; ++i) {
-            chain[i][0] = chain[i][1] = 0.f;
-            if (i * 256 + lane * 8 < share) {
-              const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w8[i]);
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                const float2 f = __bfloat1622float2(w2[e]);
-                chain[i][0] = fmaf(f.x, xr[i][2 * e], chain[i][0]);
-                chain[i][1] = fmaf(f.y, xr[i][2 * e + 1], chain[i][1]);
-              }
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < MAX_STEPS; ++i) acc += chain[i][0] + chain[i][1];
-        }
-        // The lane's sum goes to shared memory as is: the epilogue adds the lanes once per product, instead of a
-        // warp reduction (five dependent shuffles) per stage.
-        red[lane * MAX_TILES * CONSUMER_WARPS + t * CONSUMER_WARPS + warp] = acc;   // lane-major: see row_sum
-        __syncwarp();                                // every lane's reads of the stage are done
-        if (lane == 0 && stream_on) mbar_arrive(&empty[s]);
-      }
-      consumer_sync();
-      if (tid == 0) stamp(P, epoch, 4);
-
-      // Epilogue: one thread per output row of the block, its warps' lane sums in a fixed order.
-      if (tid < hi - lo) {
-        const int tt = tid / r, j = tid % r;
-        const float* part = red + tt * CONSUMER_WARPS;
-        const float y = row_sum(part + j * wpr, wpr);
-        float rstd = 1.f;
-        if (p == 0 || p == 2) {
-          float total = 0.f;
-          for (int q = 0; q < CONSUMER_WARPS; ++q) total += sumsq[q];
-          rstd = rsqrtf(total / k + P.eps);
-        }
-        const int o_row = lo + tid;
-        if (p == 0) {
-          P.qkv[o_row] = __float2bfloat16(y * rstd);
-        } else if (p == 1) {
-          P.o[o_row] = __float2bfloat16(y);
-        } else if (p == 2) {
-          const float gate = bf(y * rstd);
-          const float up = bf(row_sum(part + (r + j) * wpr, wpr) * rstd);
-          P.act[o_row] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
-        } else {
-          P.out[o_row] = __float2bfloat16(y);
-        }
-      }
-      if (tid == 0) stamp(P, epoch, 5);
-      if (flags) publish(P.counter + FLAG_STRIDE * (blockIdx.x + 1), epoch + 1);
-    }
+    consume<0>(P, b, stream, l, ring, full, empty, red, stamps);
+    consume<1>(P, b, stream, l, ring, full, empty, red, stamps);
+    consume<2>(P, b, stream, l, ring, full, empty, red, stamps);
+    consume<3>(P, b, stream, l, ring, full, empty, red, stamps);
   }
 }
 
 }  // namespace minirt_chain
 
-// What the Python side (ctypes) calls. It checks shapes, dtypes and alignment; this only sizes and launches.
-// Returns a cudaError_t (0: launched); minirt_gemv_chain_error names it.
+// What the Python side (ctypes) calls. It checks shapes, dtypes and alignment and plans the tiles (`plan`: per
+// product n, k, rows_log2, wpr_log2, share); this only sizes and launches. Returns a cudaError_t (0: launched);
+// minirt_gemv_chain_error names it.
 extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers, const void* x, const void* residual,
                                         void* qkv, void* o, void* act, void* out, void* s1, void* s2,
-                                        unsigned* counter, int hidden, int n_qkv, int k_o, int inter,
-                                        const int* rows, int num_stages, float eps, int grid, int flags,
-                                        long long* timeline, void* stream) {
+                                        unsigned* counter, const int* plan, int num_stages, float eps, int grid,
+                                        int flags, long long* timeline, void* stream) {
   using namespace minirt_chain;
   Params p{};
   p.layers = layers;
@@ -433,18 +407,14 @@ extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers,
   p.s1 = static_cast<__nv_bfloat16*>(s1);
   p.s2 = static_cast<__nv_bfloat16*>(s2);
   p.counter = counter;
-  p.hidden = hidden;
-  p.n_qkv = n_qkv;
-  p.k_o = k_o;
-  p.inter = inter;
-  for (int i = 0; i < 4; ++i) p.rows[i] = rows[i];
+  for (int i = 0; i < 4; ++i) p.prod[i] = Product{plan[5 * i], plan[5 * i + 1], plan[5 * i + 2], plan[5 * i + 3],
+                                                  plan[5 * i + 4]};
   p.num_stages = num_stages;
   p.eps = eps;
   p.flags = flags;
   p.timeline = timeline;
-  const int max_k = max(inter, max(k_o, hidden));
   const size_t smem = static_cast<size_t>(num_stages) * (STAGE_BYTES + 16) +
-                      sizeof(float) * (max_k + hidden + MAX_TILES * CONSUMER_WARPS * 32 + CONSUMER_WARPS);
+                      sizeof(float) * MAX_TILES * CONSUMER_WARPS + sizeof(uint4) * CONSUMER_WARPS * MAX_STEPS * 32;
   cudaError_t err = cudaFuncSetAttribute(gemv_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return static_cast<int>(err);

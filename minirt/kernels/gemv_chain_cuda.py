@@ -7,11 +7,11 @@ barrier every program starts its loads from nothing. Here (`gemv_chain_cuda.cu`,
 nvcc into a shared library that ctypes loads) one block per SM runs every layer of the chain; each block owns fixed
 output rows of each product, and a producer warp streams all of its weights, layer after layer, through a ring of
 shared-memory stages with the bulk-copy engine, waiting only for a free stage. Eight consumer warps wait for the
-previous product's output (a grid barrier, or a flag per block), then find their tiles already loaded. The memory
-can stream through the waits; what remains per product is the latency of the wait, the input's load and the
-epilogue (Hazy Research's Llama-1B megakernel, 2025, and the warp-specialized pipelines of CUTLASS's Hopper kernels
-work so). So far it is slower than the four kernels with PDL: `benchmarks/README.md` (issue 23, session 7) has the
-figures, a breakdown by part (`skip`) and per-block timelines (`timeline`).
+previous product's output (a grid barrier), each loads the input columns it multiplies from L2 into registers, then
+finds its tiles already loaded. The memory can stream through the waits; what remains per product is the latency
+of the wait, the input's load and the epilogue (Hazy Research's Llama-1B megakernel, 2025, and the warp-specialized
+pipelines of CUTLASS's Hopper kernels work so). `benchmarks/README.md` (issue 23, sessions 7 and 8) has the figures
+against the four kernels with PDL, a breakdown by part (`skip`) and per-block timelines (`timeline`).
 
 Per layer (bf16; the stream s0 of layer 0 is `residual`, or x itself when None; later layers' is the layer before's
 s2, kept in each block's shared memory):
@@ -23,7 +23,8 @@ s2, kept in each block's shared memory):
 
 with `linear_gemv`'s arithmetic (float32 sums, the stream rounded to bf16, rstd * dot(w, g * s), gate and up
 rounded before silu(gate) * up); only the order of the sums differs, so results agree with the four `linear_gemv`
-calls to bf16 rounding, not bit for bit. Needs a Hopper GPU (compute capability 9.0: the bulk copy) and nvcc.
+calls to bf16 rounding, not bit for bit. Every consumer warp keeps the whole residual stream, so hidden is at most
+1024 (Qwen3-0.6B's). Needs a Hopper GPU (compute capability 9.0: the bulk copy) and nvcc.
 """
 
 from __future__ import annotations
@@ -47,18 +48,26 @@ from minirt.kernels import num_sms
 SOURCE = Path(__file__).with_name("gemv_chain_cuda.cu")
 STAGE_BYTES = 16384         # one stage of the ring by default (gemv_chain_cuda.cu's MINIRT_STAGE_BYTES)
 CONSUMER_WARPS = 8
-MAX_STEPS = 4               # a warp reads at most MAX_STEPS x 256 columns of a row
-MAX_TILES = 16              # stage tiles per block per product (the kernel's lane-sum buffer)
+MAX_STEPS = 4               # a warp reads at most MAX_STEPS x 256 columns of a row (and hidden is at most that)
+MAX_TILES = 16              # stage tiles per block per product (the kernel's warp-sum buffer)
 BARRIER_BYTES = 16          # a stage's two mbarriers
 # gemv_chain_cuda.cu's Params::flags: leave out the grid barriers, the input loads, the dot products, the weight stream
 SKIP_BARRIERS, SKIP_PROLOGUE, SKIP_DOTS, SKIP_STREAM = 1, 2, 4, 8
-# ... and how the blocks wait for each other (see `gemv_chain_layers`' sync)
-SYNC_MODES = {"barrier": 0, "barrier-backoff": 32, "flags": 16, "flags-backoff": 16 | 32}
-FLAG_STRIDE = 32            # int32s per block's flag in the sync buffer (128 bytes)
-#: What `gemv_chain_layers(timeline=...)` records per block and product (the SM's clock, `clock64`); with
-#: sync "flags" the wait happens while the input loads, so "waited" follows "start" at once
+SYNC_INTS = 32              # the grid barrier's count, alone in its 128 bytes
+#: What `gemv_chain_layers(timeline=...)` records per block and product (the SM's clock, `clock64`; "input loaded":
+#: warp 0's)
 TIMELINE_STAMPS = ("start", "waited", "input loaded", "first stage", "stages done", "epilogue done",
                    "first copy issued", "last copy issued")
+
+
+class Product(NamedTuple):
+    """One of a layer's four products as the kernel tiles it (`chain_plan`)."""
+
+    n: int             # output rows
+    k: int             # input columns
+    rows_log2: int     # log2 of the output rows per stage tile (gate/up: pairs, gate rows then up rows)
+    wpr_log2: int      # log2 of the warps per stage row, each a share of k
+    share: int         # columns per warp: k >> wpr_log2
 
 
 class ChainOutputs(NamedTuple):
@@ -139,8 +148,8 @@ def library(arch: str = "sm_90", stage_bytes: int = STAGE_BYTES) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     lib.minirt_gemv_chain_launch.restype = ctypes.c_int
     lib.minirt_gemv_chain_launch.argtypes = (
-        [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 9 + [ctypes.c_int] * 4
-        + [ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
+        [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 10
+        + [ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p])
     lib.minirt_gemv_chain_error.restype = ctypes.c_char_p
     lib.minirt_gemv_chain_error.argtypes = [ctypes.c_int]
     return lib
@@ -229,64 +238,65 @@ def check_disjoint(**tensors) -> None:
                 raise ValueError(f"{name}: overlaps {other} in memory; the kernel needs them apart")
 
 
-def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int, stage_bytes: int = STAGE_BYTES,
-               sync: str = "barrier") -> list[int]:
-    """Output rows per stage tile of each product (gate/up: pairs). Raises ValueError naming the field when a
-    block would own more rows than the kernel sums in its epilogue (256) or take more than MAX_TILES tiles, or
-    (sync "flags") when a block would own no row of the hidden or intermediate products: its threads then would not
-    wait for every block."""
-    if sync not in SYNC_MODES:
-        raise ValueError(f"sync: one of {sorted(SYNC_MODES)}, got {sync!r}")
+def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
+               stage_bytes: int = STAGE_BYTES) -> list[Product]:
+    """How the kernel tiles each product (qkv, o, gate/up, down): its rows per stage tile (`tile_rows`; gate/up:
+    pairs) and the warps that share a stage row. Raises ValueError naming the field when hidden is more than
+    MAX_STEPS x 256 columns (every consumer warp keeps the whole stream), when a norm's product (hidden columns)
+    would not give each warp a whole row (each warp sums its own squares), or when a block would own more rows than
+    the kernel sums in its epilogue (256) or take more than MAX_TILES tiles."""
     if stage_bytes < 256 or stage_bytes % 16:
         raise ValueError(f"stage_bytes: a multiple of 16 (the bulk copy's unit), at least 256, got {stage_bytes}")
-    if sync.startswith("flags") and min(hidden, inter) < grid:
-        raise ValueError(f"grid: sync {sync!r} needs hidden and inter ({hidden}, {inter}) >= the grid ({grid})")
-    rows = []
-    for name, k, pair in (("hidden", hidden, False), ("k_o", k_o, False), ("hidden", hidden, True),
-                          ("inter", inter, False)):
+    if hidden > MAX_STEPS * 256:
+        raise ValueError(f"hidden: at most {MAX_STEPS * 256} columns (every consumer warp keeps the whole residual "
+                         f"stream), got {hidden}")
+    plan = []
+    for name, n, k, pair in (("hidden", n_qkv, hidden, False), ("k_o", hidden, k_o, False),
+                             ("hidden", inter, hidden, True), ("inter", hidden, inter, False)):
         try:
-            rows.append(tile_rows(k, pair, stage_bytes))
+            rows = tile_rows(k, pair, stage_bytes)
         except ValueError as err:                       # tile_rows names its k: say which of the chain's it is
             raise ValueError(f"{name}: {str(err).removeprefix('k: ')}") from None
-    for name, n, r in (("n_qkv", n_qkv, rows[0]), ("hidden", hidden, rows[1]), ("inter", inter, rows[2]),
-                       ("hidden", hidden, rows[3])):
-        per_block = math.ceil(n / grid)
-        if per_block > CONSUMER_WARPS * 32 or math.ceil(per_block / r) > MAX_TILES or n * grid >= 2 ** 32:
-            raise ValueError(f"{name}: {n} rows over {grid} blocks is {per_block} per block; at most "
+        wpr = CONSUMER_WARPS // (rows * (2 if pair else 1))
+        plan.append(Product(n, k, rows.bit_length() - 1, wpr.bit_length() - 1, k // wpr))
+    if plan[0].wpr_log2 or plan[2].wpr_log2:
+        raise ValueError(f"hidden: a norm's products need a whole row of {hidden} columns per warp: "
+                         f"{CONSUMER_WARPS} rows of them must fit a {stage_bytes}-byte stage")
+    for name, p in zip(("n_qkv", "hidden", "inter", "hidden"), plan):
+        per_block, r = math.ceil(p.n / grid), 1 << p.rows_log2
+        if per_block > CONSUMER_WARPS * 32 or math.ceil(per_block / r) > MAX_TILES or p.n * grid >= 2 ** 32:
+            raise ValueError(f"{name}: {p.n} rows over {grid} blocks is {per_block} per block; at most "
                              f"{CONSUMER_WARPS * 32} and {MAX_TILES} tiles of {r}")
-    return rows
+    return plan
 
 
-def shared_bytes(num_stages: int, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
-    """Dynamic shared memory of a launch: the ring, its barriers, x, the stream and the warp sums."""
-    return num_stages * (stage_bytes + BARRIER_BYTES) + 4 * (max(hidden, k_o, inter) + hidden
-                                                             + CONSUMER_WARPS * (32 * MAX_TILES + 1))
+def shared_bytes(num_stages: int, stage_bytes: int = STAGE_BYTES) -> int:
+    """Dynamic shared memory of a launch: the ring and its barriers, the warp sums, each warp's copy of the stream."""
+    return (num_stages * (stage_bytes + BARRIER_BYTES) + 4 * MAX_TILES * CONSUMER_WARPS
+            + 16 * CONSUMER_WARPS * MAX_STEPS * 32)
 
 
-def max_stages(device: torch.device, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
+def max_stages(device: torch.device, stage_bytes: int = STAGE_BYTES) -> int:
     """The most stages a block's shared memory holds next to the rest."""
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
-    return (limit - shared_bytes(0, hidden, k_o, inter)) // (stage_bytes + BARRIER_BYTES)
+    return (limit - shared_bytes(0)) // (stage_bytes + BARRIER_BYTES)
 
 
-def sync_buffer(device: torch.device, grid: int | None = None) -> torch.Tensor:
-    """A zeroed int32 buffer for `gemv_chain_layers`' counter: the barrier's count, then a flag per block."""
-    grid = num_sms(device) if grid is None else grid
-    return torch.zeros(FLAG_STRIDE * (grid + 1), dtype=torch.int32, device=device)
+def sync_buffer(device: torch.device) -> torch.Tensor:
+    """A zeroed int32 buffer for `gemv_chain_layers`' counter (the grid barrier's count)."""
+    return torch.zeros(SYNC_INTS, dtype=torch.int32, device=device)
 
 
 def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = None, *,
                       table: LayerTable | None = None, counter: torch.Tensor | None = None,
                       num_stages: int | None = None, grid: int | None = None, eps: float = 1e-6,
-                      outputs: ChainOutputs | None = None, sync: str = "barrier", stage_bytes: int = STAGE_BYTES,
+                      outputs: ChainOutputs | None = None, stage_bytes: int = STAGE_BYTES,
                       skip: int = 0, timeline: torch.Tensor | None = None) -> ChainOutputs:
     """Every layer of `layers` (see `check_layers`) in one launch, for one row: x `[1, H]` bf16, residual `[1, H]`
     or None. table: `layer_table(layers)` of these layers, built here when None (not inside a CUDA graph capture).
-    counter: `sync_buffer(device, grid)` (None: a new one), zeroed here on the stream before the launch (inside a
-    graph too). sync: how blocks wait for the previous product, "barrier" (a grid barrier on one count) or "flags"
-    (a flag per block; each thread waits for the writers of the columns it loads), each also with "-backoff" (a
-    pause between polls). stage_bytes: the ring's stage size (one library per size). num_stages: ring stages (None:
+    counter: `sync_buffer(device)` (None: a new one), zeroed here on the stream before the launch (inside a
+    graph too). stage_bytes: the ring's stage size (one library per size). num_stages: ring stages (None:
     as many as shared memory holds). grid: blocks (None: one per SM). Every block waits for the others, so all must
     be resident at once: at most one per SM is checked, not that the SMs are free (other kernels spinning on the
     GPU at the same time, or an MPS share smaller than the GPU, would make it wait forever).
@@ -318,8 +328,8 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
     grid = sms if grid is None else grid
     if not 1 <= grid <= sms:
         raise ValueError(f"grid: 1 to {sms} blocks (one per SM at most), got {grid}")
-    rows = chain_plan(hidden, n_qkv, k_o, inter, grid, stage_bytes, sync)
-    most = max_stages(x.device, hidden, k_o, inter, stage_bytes)
+    plan = chain_plan(hidden, n_qkv, k_o, inter, grid, stage_bytes)
+    most = max_stages(x.device, stage_bytes)
     num_stages = most if num_stages is None else num_stages
     if not 2 <= num_stages <= most:
         raise ValueError(f"num_stages: 2 to {most} stages fit a block's shared memory, got {num_stages}")
@@ -329,10 +339,10 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
         raise ValueError(f"timeline: must be a contiguous int64 [{grid}, {4 * len(layers)}, {len(TIMELINE_STAMPS)}] "
                          f"on {x.device}, got {timeline.dtype} {tuple(timeline.shape)} on {timeline.device}")
     if counter is None:
-        counter = sync_buffer(x.device, grid)
-    elif (counter.dtype != torch.int32 or counter.numel() < FLAG_STRIDE * (grid + 1) or counter.device != x.device
+        counter = sync_buffer(x.device)
+    elif (counter.dtype != torch.int32 or counter.numel() < SYNC_INTS or counter.device != x.device
           or not counter.is_contiguous()):
-        raise ValueError(f"counter: must be sync_buffer({x.device}, {grid}), int32 [{FLAG_STRIDE * (grid + 1)}], got "
+        raise ValueError(f"counter: must be sync_buffer({x.device}), int32 [{SYNC_INTS}], got "
                          f"{counter.dtype} {tuple(counter.shape)} on {counter.device}")
     new = functools.partial(torch.empty, dtype=x.dtype, device=x.device)
     sizes = ChainOutputs(n_qkv, hidden, hidden, inter, hidden, hidden)
@@ -351,10 +361,10 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
     counter.zero_()
     with torch.cuda.device(x.device):                      # the attribute and the launch act on the current device
         err = lib.minirt_gemv_chain_launch(
-            ptr(table.addresses), len(layers), ptr(x), ptr(residual), ptr(outs.qkv), ptr(outs.o), ptr(outs.act), ptr(outs.out),
-            ptr(outs.stream_attn), ptr(outs.stream_mlp), ptr(counter), hidden, n_qkv, k_o, inter,
-            (ctypes.c_int * 4)(*rows), num_stages, eps, grid, skip | SYNC_MODES[sync], ptr(timeline),
-            torch.cuda.current_stream(x.device).cuda_stream)
+            ptr(table.addresses), len(layers), ptr(x), ptr(residual), ptr(outs.qkv), ptr(outs.o), ptr(outs.act),
+            ptr(outs.out), ptr(outs.stream_attn), ptr(outs.stream_mlp), ptr(counter),
+            (ctypes.c_int * 20)(*(v for product in plan for v in product)), num_stages, eps, grid, skip,
+            ptr(timeline), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"gemv_chain_layers: the launch failed: {lib.minirt_gemv_chain_error(err).decode()}")
     return outs
