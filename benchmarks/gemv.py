@@ -25,11 +25,11 @@ GEMV's tiles at a time (the others at their defaults), with PDL. Writes `gemv-ch
 
 `--cuda-chain` times `minirt.kernels.gemv_chain_cuda` (all 28 layers in one launch, the weights streamed through a
 shared-memory ring by a producer warp) against the four-kernel chain with PDL and the persistent Triton chain
-(4 programs per SM, PDL) in the same run: both chains' outputs against float64 after 1 to 28 layers; the ring
-as deep as shared memory allows and shallower, and the weight stream alone; per-block timelines (the SM clock at each part of each product: wait, input, first stage,
-stages, epilogue; how far ahead the producer issued); and the time with one part left out at a time. Writes
-`gemv-chain-cuda-kernel-<date>.json`. (`chain_inputs()` draws x from its own seeded generator too, so that every
-call returns the same inputs.)
+(4 programs per SM, PDL) in the same run: both chains' outputs against float64 after 1 to 28 layers; stages of 8
+and 16 KB, the ring as deep as shared memory allows and shallower, and the weight stream alone; per-block
+timelines (the SM clock at each part of each product: wait, input, first stage, stages, epilogue; how far ahead
+the producer issued); and the time with one part left out at a time. Writes `gemv-chain-cuda-kernel-<date>.json`.
+(`chain_inputs()` draws x from its own seeded generator too, so that every call returns the same inputs.)
 """
 
 from __future__ import annotations
@@ -240,11 +240,11 @@ def cuda_chain(num_stages: int | None = None, skip: int = 0, stage_bytes: int = 
     from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, sync_buffer
 
     layers, table, x0 = cuda_chain_inputs()
-    counter = sync_buffer(x0.device)
+    sync = sync_buffer(x0.device, 1024, 4096, 3072)
     outs = []
 
     def step():
-        outs.append(gemv_chain_layers(x0, layers, table=table, counter=counter, num_stages=num_stages, skip=skip,
+        outs.append(gemv_chain_layers(x0, layers, table=table, sync=sync, num_stages=num_stages, skip=skip,
                                       stage_bytes=stage_bytes).out)
         return outs[-1]
 
@@ -347,19 +347,19 @@ def cuda_chain_sweep(out_dir: str) -> None:
     report["depth_agreement"] = chain_depth_agreement()
     want = layer_chain_output()
     report["cuda_chain"] = {}
-    stage_bytes = C.STAGE_BYTES               # the only size whose tiles give the norms' products a row per warp
-    most = max_stages(device, stage_bytes)
-    for stages in sorted({most, 8, 4}):        # the ring as deep as shared memory allows, and shallower
-        us, out = cuda_chain(stages, 0, stage_bytes)
-        err = rel(out, want)
-        report["cuda_chain"][f"{stage_bytes} x {stages}"] = {
-            "us_per_layer": us, "rel_err_vs_four_kernels": err, "fraction_of_copy_bandwidth": ideal / us}
-        print(f"CUDA chain, {stages} stages of {stage_bytes} bytes: {us:.2f} us per layer "
-              f"({ideal / us:.0%} of the copy bandwidth), output vs the four kernels: {err:.1e}", flush=True)
-    us, _ = cuda_chain(None, C.SKIP_BARRIERS | C.SKIP_PROLOGUE | C.SKIP_DOTS, stage_bytes)
-    report["cuda_chain"][f"{stage_bytes}, weight stream alone"] = {"us_per_layer": us}
-    print(f"  stages of {stage_bytes} bytes, the weight stream alone: {us:.2f} us per layer "
-          f"({ideal / us:.0%})", flush=True)
+    for stage_bytes in (8192, 16384):
+        most = max_stages(device, 1024, 2048, 3072, stage_bytes)
+        for stages in sorted({most, most // 2, 8 * 16384 // stage_bytes, 4}):   # as deep as fits, and shallower
+            us, out = cuda_chain(stages, 0, stage_bytes)
+            err = rel(out, want)
+            report["cuda_chain"][f"{stage_bytes} x {stages}"] = {
+                "us_per_layer": us, "rel_err_vs_four_kernels": err, "fraction_of_copy_bandwidth": ideal / us}
+            print(f"CUDA chain, {stages} stages of {stage_bytes} bytes: {us:.2f} us per layer "
+                  f"({ideal / us:.0%} of the copy bandwidth), output vs the four kernels: {err:.1e}", flush=True)
+        us, _ = cuda_chain(None, C.SKIP_BARRIERS | C.SKIP_PROLOGUE | C.SKIP_DOTS, stage_bytes)
+        report["cuda_chain"][f"{stage_bytes}, weight stream alone"] = {"us_per_layer": us}
+        print(f"  stages of {stage_bytes} bytes, the weight stream alone: {us:.2f} us per layer "
+              f"({ideal / us:.0%})", flush=True)
     # What each part costs: the same launch with a part left out (its results are wrong then).
     parts = {"no waits": C.SKIP_BARRIERS, "no input loads": C.SKIP_PROLOGUE, "no dot products": C.SKIP_DOTS,
              "no weight stream (waits, loads, epilogues)": C.SKIP_STREAM,

@@ -7,12 +7,17 @@
 //   - a producer warp streams them, tile after tile, layer after layer, into a ring of shared-memory stages with
 //     the bulk-copy engine (`cp.async.bulk`, completing on an mbarrier per stage); it waits only for a free stage,
 //     never for activations, so the memory keeps streaming while the other warps wait for the rest of the grid;
-//   - eight consumer warps wait for the previous product's output (a grid barrier on an atomic count), then each
-//     warp loads the input columns it multiplies straight from L2 into registers (a norm's products: the whole
-//     vector, for its sum of squares; the residual stream stays in every warp's registers from layer to layer),
-//     and takes the stages as they fill: one row (or a share of one row's columns) per warp, a dot product of
-//     16-byte loads in independent chains, summed across the warp's lanes in a fixed order; the epilogue adds a
-//     row's warps in a fixed order (the same bits on every run) and writes the row.
+//   - eight consumer warps load the previous product's output as it arrives, each thread its columns, into shared
+//     memory (with the norm's prologue; the residual stream stays in shared memory from layer to layer), then take
+//     the stages as they fill: one row (or a share of one row's columns) per warp, a dot product of 16-byte loads
+//     in independent chains, summed across the warp's lanes in a fixed order; the epilogue adds a row's warps in a
+//     fixed order (the same bits on every run) and writes the row.
+// No grid barrier: each output row is also written as a 32-bit word with the product's number in its upper half
+// and the bf16 in its lower (NCCL's "LL" protocol: one store carries the value and its flag, so a reader that sees
+// the flag has the value, with no fence), and the next product's readers poll their own words. Even and odd layers
+// write separate buffers: a block rewrites one two layers later only after it has read the whole of a later
+// gate/up output, which every block writes (each owns rows of it) after its last read of that buffer, so no reader
+// can miss a value.
 // The scheme is Hazy Research's Llama-1B "megakernel" (2025: weights loaded ahead through a shared-memory pipeline
 // while instructions wait on counters) and the warp-specialized producer/consumer pipelines of CUTLASS's Hopper
 // kernels, cut down to this chain.
@@ -36,12 +41,14 @@ constexpr int THREADS = CONSUMERS + 32;          // + the producer warp
 #define MINIRT_STAGE_BYTES 16384
 #endif
 constexpr int STAGE_BYTES = MINIRT_STAGE_BYTES;  // one ring stage (gemv_chain_cuda.py builds a library per size)
-constexpr int MAX_STEPS = 4;                     // a warp's input columns: at most 4 x 256 (hidden too)
+constexpr int MAX_STEPS = 4;                     // a warp's share of a row: at most 4 x 256 columns
 constexpr int MAX_TILES = 16;                    // stage tiles per block per product (the warp sums' buffer)
+constexpr int MAX_X_VECS = 8;                    // a product's input: at most 8 x 4 x CONSUMERS columns
+static_assert(MAX_X_VECS * 4 * CONSUMERS >= CONSUMER_WARPS * MAX_STEPS * 256, "the widest row the tiles allow");
 // Params::flags, for benchmarks/gemv.py's breakdown of the time (each leaves a part out; results are then wrong)
 constexpr int SKIP_BARRIERS = 1, SKIP_PROLOGUE = 2, SKIP_DOTS = 4, SKIP_STREAM = 8;
-// Params::timeline: per block and product, the SM's clock when thread 0 starts the product, is through the grid
-// barrier, through its (warp's) input, has its first stage, all warps are through their stages, through its
+// Params::timeline: per block and product, the SM's clock when thread 0 starts the product, has its own input
+// words, the block has its input, thread 0 has its first stage, all warps are through their stages, through the
 // epilogue; when the producer issues the product's first and last copy (unset where it streams no rows of the
 // product; gemv_chain_cuda.py's TIMELINE_STAMPS names them).
 constexpr int STAMPS = 8;
@@ -66,8 +73,10 @@ struct Params {
   __nv_bfloat16* out;             // [hidden]: each layer's output, the next one's x
   __nv_bfloat16* s1;              // [hidden]: the last layer's streams (block 0 writes them)
   __nv_bfloat16* s2;
-  unsigned* counter;              // zero at launch: the grid barrier's count
+  uint32_t* ll[4];                // each product's output as flagged words (qkv, o, act, out), even layers; zero at
+  int ll_odd;                     // launch; odd layers' are ll_odd words further
   Product prod[4];                // qkv, o, gate/up, down
+  int max_k;                      // the widest product's input columns
   int num_stages;
   float eps;
   int flags;                      // 0, or SKIP_* bits (timing breakdowns only)
@@ -111,23 +120,21 @@ __device__ __forceinline__ float warp_sum(float v) {   // the same tree on every
   return v;
 }
 
-// Every block's consumers: arrive, then wait until `target` arrivals (the k-th barrier of the launch: k x grid).
-// As CUTLASS's generic barrier (cutlass/barrier.h): the block barrier orders the block's stores before thread 0's
-// fence and relaxed add; the acquire load orders the others' stores before what the block reads next (through L2:
-// __ldcg).
-__device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+// Flagged words: a row's bf16 in the lower half, the number of its product in the launch (1, 2, ...) in the
+// upper. Relaxed at GPU scope: read from L2, not from the SM's own cache; each 32-bit word is one indivisible
+// access (the vector load reads four of them).
+__device__ __forceinline__ void store_flagged(uint32_t* p, __nv_bfloat16 v, uint32_t flag) {
+  const uint32_t word = (flag << 16) | __bfloat16_as_ushort(v);
+  asm volatile("st.relaxed.gpu.global.u32 [%0], %1;" :: "l"(p), "r"(word) : "memory");
+}
+__device__ __forceinline__ uint4 load_flagged(const uint32_t* p) {
+  uint4 v;
+  asm volatile("ld.relaxed.gpu.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p) : "memory");
   return v;
 }
-__device__ __forceinline__ void grid_barrier(unsigned* counter, unsigned target) {
-  consumer_sync();
-  if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.gpu;\nred.relaxed.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
-    while (load_acquire(counter) < target) {
-    }
-  }
-  consumer_sync();
+__device__ __forceinline__ bool flagged(const uint4& v, uint32_t flag) {
+  return ((v.x >> 16) == flag) & ((v.y >> 16) == flag) & ((v.z >> 16) == flag) & ((v.w >> 16) == flag);
 }
 
 // Output rows [lo, hi) of an n-row product owned by this block: an even split over the grid.
@@ -153,7 +160,7 @@ __device__ __forceinline__ void unpack(const uint4& u, float (&v)[8]) {
   }
 }
 
-// A block's rows of each product, its ring position, and (in each consumer warp's registers) the residual stream.
+// A block's rows of each product and its ring position (each of its threads keeps its own copy).
 struct Block {
   int lo[4], hi[4];            // output rows [lo, hi) of each product
   uint32_t stage, phase;       // the next ring stage to take, and its mbarrier parity
@@ -185,84 +192,125 @@ __device__ __forceinline__ void produce(const Params& P, Block& b, const __nv_bf
   }
 }
 
-// One consumer warp's part of product p of layer l: wait, input, stages; then the block's epilogue.
-// stream: the residual stream's columns lane * 8 + i * 256 at stream[i * 32 + lane], as bf16 (its values are: no
-// rounding), every warp its own copy in shared memory (hidden <= 1024; in registers they would spill).
+// The block's shared memory beside the ring: the warp sums, this product's input (the norm's weight applied), the
+// residual stream (exact bf16 values) and each warp's sum of squares.
+struct Scratch {
+  float* red;      // [MAX_TILES][CONSUMER_WARPS]
+  float* xs;       // [max k]
+  float* stream;   // [hidden]
+  float* sumsq;    // [CONSUMER_WARPS]
+};
+
+// The consumers' part of product p of layer l: input, stages, epilogue.
 template <int p>
-__device__ __forceinline__ void consume(const Params& P, Block& b, uint4* stream, int l,
-                                        unsigned char* ring, uint64_t* full, uint64_t* empty, float* red,
-                                        bool stamps) {
+__device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch& m, int l, unsigned char* ring,
+                                        uint64_t* full, uint64_t* empty, bool stamps) {
   constexpr bool norm = p == 0 || p == 2;
   const Product& pr = P.prod[p];
+  const int k = pr.k;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int epoch = l * 4 + p;                         // products finished before this one
   const bool first = p == 0 && l == 0;                 // the caller's x and residual: not written in this launch
   const bool stream_on = !(P.flags & SKIP_STREAM), dots = !(P.flags & SKIP_DOTS);
-  const int row = warp >> pr.wpr_log2;                 // the warp's row of a stage tile
-  const int c0 = (warp & ((1 << pr.wpr_log2) - 1)) * pr.share + lane * 8;   // its lane's first column
-  bool live_step[MAX_STEPS];
-#pragma unroll
-  for (int i = 0; i < MAX_STEPS; ++i) live_step[i] = i * 256 + lane * 8 < pr.share;
 
-  // The norm's weight does not depend on the previous product: loaded before the wait.
-  uint4 gv[MAX_STEPS];
+  // The norm's weight does not depend on the previous product: loaded first.
+  uint2 gv[MAX_X_VECS];
   if (norm) {
     const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(P.layers[l * 6 + (p == 0 ? 4 : 5)]);
 #pragma unroll
-    for (int i = 0; i < MAX_STEPS; ++i)
-      if (live_step[i]) gv[i] = *reinterpret_cast<const uint4*>(g + c0 + i * 256);
+    for (int i = 0; i < MAX_X_VECS; ++i) {
+      const int c = (tid + i * CONSUMERS) * 4;
+      if (c < k) gv[i] = *reinterpret_cast<const uint2*>(g + c);
+    }
   }
   if (stamps && tid == 0) stamp(P, epoch, 0);
-  if (epoch > 0 && !(P.flags & SKIP_BARRIERS)) grid_barrier(P.counter, epoch * gridDim.x);
-  if (stamps && tid == 0) stamp(P, epoch, 1);
 
-  // Input: the warp's columns of x, every load issued before the first is used (one round trip to L2). With a
-  // norm (one warp per row: all columns) the stream moves on and its sum of squares is the warp's own.
-  float xr[MAX_STEPS][8];
-  float rstd = 1.f;
+  // Input: each thread 4 columns at a time, every load issued before the first is polled again (one round trip to
+  // L2 when the words are there).
+  float sq = 0.f;
   if (!(P.flags & SKIP_PROLOGUE)) {
-    const __nv_bfloat16* x = p == 0 ? (first ? P.x : P.out) : p == 1 ? P.qkv : p == 2 ? P.o : P.act;
-    uint4 xv[MAX_STEPS], rv[MAX_STEPS];
+    uint4 xv[MAX_X_VECS];
+    uint2 rv[MAX_X_VECS];
+    const uint32_t* in = P.ll[p == 0 ? 3 : p - 1] + (((p == 0 ? l - 1 : l) & 1) ? P.ll_odd : 0);
+    const bool poll = !first && !(P.flags & SKIP_BARRIERS);
 #pragma unroll
-    for (int i = 0; i < MAX_STEPS; ++i) {
-      if (!live_step[i]) continue;
-      const uint4* src = reinterpret_cast<const uint4*>(x + c0 + i * 256);
-      xv[i] = first ? *src : __ldcg(src);
-      if (first && P.residual != nullptr) rv[i] = *reinterpret_cast<const uint4*>(P.residual + c0 + i * 256);
-    }
-    float sq = 0.f;
-#pragma unroll
-    for (int i = 0; i < MAX_STEPS; ++i) {
-      if (!live_step[i]) continue;
-      unpack(xv[i], xr[i]);
-      if (!norm) continue;
-      float g[8], res[8];
-      unpack(gv[i], g);
-      if (!first) unpack(stream[i * 32 + lane], res);             // the layer before's s2 (p = 0) or this layer's s1
-      else if (P.residual != nullptr) unpack(rv[i], res);
-      __nv_bfloat162 kept[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float2 s = make_float2(xr[i][2 * e], xr[i][2 * e + 1]);
-        if (!first || P.residual != nullptr) s = make_float2(bf(s.x + res[2 * e]), bf(s.y + res[2 * e + 1]));
-        kept[e] = __floats2bfloat162_rn(s.x, s.y);
-        xr[i][2 * e] = s.x * g[2 * e];
-        xr[i][2 * e + 1] = s.y * g[2 * e + 1];
-        sq = fmaf(s.x, s.x, sq);
-        sq = fmaf(s.y, s.y, sq);
+    for (int i = 0; i < MAX_X_VECS; ++i) {
+      const int c = (tid + i * CONSUMERS) * 4;
+      if (c >= k) continue;
+      if (first) {
+        const uint2 x2 = *reinterpret_cast<const uint2*>(P.x + c);     // as flagged words, flag left out
+        xv[i] = make_uint4(x2.x << 16, x2.x & 0xffff0000u, x2.y << 16, x2.y & 0xffff0000u);
+        if (P.residual != nullptr) rv[i] = *reinterpret_cast<const uint2*>(P.residual + c);
+      } else {
+        xv[i] = load_flagged(in + c);
       }
-      stream[i * 32 + lane] = *reinterpret_cast<const uint4*>(kept);
-      if (l == P.num_layers - 1 && blockIdx.x == 0 && warp == 0)
-        *reinterpret_cast<uint4*>((p == 0 ? P.s1 : P.s2) + c0 + i * 256) = *reinterpret_cast<const uint4*>(kept);
     }
-    if (norm) rstd = rsqrtf(warp_sum(sq) / pr.k + P.eps);   // every warp the same sum, in the same order
-  } else {
 #pragma unroll
-    for (int i = 0; i < MAX_STEPS; ++i)
+    for (int i = 0; i < MAX_X_VECS; ++i) {
+      const int c = (tid + i * CONSUMERS) * 4;
+      if (c < k && poll)
+        while (!flagged(xv[i], epoch)) xv[i] = load_flagged(in + c);
+    }
+    if (stamps && tid == 0) stamp(P, epoch, 1);
 #pragma unroll
-      for (int e = 0; e < 8; ++e) xr[i][e] = 0.f;
+    for (int i = 0; i < MAX_X_VECS; ++i) {
+      const int c = (tid + i * CONSUMERS) * 4;
+      if (c >= k) continue;
+      float4 v = make_float4(__uint_as_float(xv[i].x << 16), __uint_as_float(xv[i].y << 16),
+                             __uint_as_float(xv[i].z << 16), __uint_as_float(xv[i].w << 16));
+      if (norm) {
+        float4 add;
+        if (!first) {
+          add = *reinterpret_cast<const float4*>(m.stream + c);   // the layer before's s2 (p = 0) or this layer's s1
+        } else if (P.residual != nullptr) {
+          const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&rv[i].x));
+          const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&rv[i].y));
+          add = make_float4(lo.x, lo.y, hi.x, hi.y);
+        }
+        if (!first || P.residual != nullptr) v = make_float4(bf(v.x + add.x), bf(v.y + add.y), bf(v.z + add.z),
+                                                             bf(v.w + add.w));
+        *reinterpret_cast<float4*>(m.stream + c) = v;
+        sq = fmaf(v.x, v.x, fmaf(v.y, v.y, fmaf(v.z, v.z, fmaf(v.w, v.w, sq))));
+        if (l == P.num_layers - 1 && blockIdx.x == 0) {
+          const __nv_bfloat162 kept[2] = {__floats2bfloat162_rn(v.x, v.y), __floats2bfloat162_rn(v.z, v.w)};
+          *reinterpret_cast<uint2*>((p == 0 ? P.s1 : P.s2) + c) = *reinterpret_cast<const uint2*>(kept);
+        }
+        const float2 g01 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv[i].x));
+        const float2 g23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv[i].y));
+        v = make_float4(v.x * g01.x, v.y * g01.y, v.z * g23.x, v.w * g23.y);
+      }
+      *reinterpret_cast<float4*>(m.xs + c) = v;
+    }
+    if (norm) {
+      sq = warp_sum(sq);
+      if (lane == 0) m.sumsq[warp] = sq;
+    }
+  }
+  consumer_sync();
+  float rstd = 1.f;
+  if (norm) {
+    float total = 0.f;
+#pragma unroll
+    for (int q = 0; q < CONSUMER_WARPS; ++q) total += m.sumsq[q];
+    rstd = rsqrtf(total / k + P.eps);
   }
   if (stamps && tid == 0) stamp(P, epoch, 2);
+
+  // Each lane multiplies the same columns of every row it takes in this product: its share of x in registers.
+  const int row = warp >> pr.wpr_log2;                 // the warp's row of a stage tile
+  const int c0 = (warp & ((1 << pr.wpr_log2) - 1)) * pr.share + lane * 8;   // its lane's first column
+  bool live_step[MAX_STEPS];
+  float xr[MAX_STEPS][8];
+#pragma unroll
+  for (int i = 0; i < MAX_STEPS; ++i) {
+    live_step[i] = i * 256 + lane * 8 < pr.share;
+    if (live_step[i]) {
+      const float4 a = *reinterpret_cast<const float4*>(m.xs + c0 + i * 256);
+      const float4 c = *reinterpret_cast<const float4*>(m.xs + c0 + i * 256 + 4);
+      xr[i][0] = a.x; xr[i][1] = a.y; xr[i][2] = a.z; xr[i][3] = a.w;
+      xr[i][4] = c.x; xr[i][5] = c.y; xr[i][6] = c.z; xr[i][7] = c.w;
+    }
+  }
 
   // The stages: tiles of r output rows (gate/up: r gate rows, then r up rows) of k columns.
   const int r = 1 << pr.rows_log2;
@@ -282,7 +330,7 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, uint4* stream
       if (live && live_step[i]) w8[i] = *reinterpret_cast<const uint4*>(w + i * 256);
     if (t > 0) {
       pending = warp_sum(pending);
-      if (lane == 0) red[(t - 1) * CONSUMER_WARPS + warp] = pending;
+      if (lane == 0) m.red[(t - 1) * CONSUMER_WARPS + warp] = pending;
     }
     float acc = 0.f;
     if (live) {
@@ -310,31 +358,32 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, uint4* stream
   }
   if (rows > 0) {
     pending = warp_sum(pending);
-    if (lane == 0) red[(((rows - 1) >> pr.rows_log2)) * CONSUMER_WARPS + warp] = pending;
+    if (lane == 0) m.red[((rows - 1) >> pr.rows_log2) * CONSUMER_WARPS + warp] = pending;
   }
   consumer_sync();
   if (stamps && tid == 0) stamp(P, epoch, 4);
 
-  // Epilogue: one thread per output row of the block, its warps' sums in a fixed order.
+  // Epilogue: one thread per output row of the block, its warps' sums in a fixed order; the row goes out as is and
+  // as a flagged word for the next product's readers.
   if (tid < rows) {
     const int wpr = 1 << pr.wpr_log2;
-    const float* part = red + (tid >> pr.rows_log2) * CONSUMER_WARPS;
+    const float* part = m.red + (tid >> pr.rows_log2) * CONSUMER_WARPS;
     const int j = tid & (r - 1);
     float y = 0.f;
     for (int q = 0; q < wpr; ++q) y += part[(j << pr.wpr_log2) + q];
-    const int o_row = b.lo[p] + tid;
-    if (p == 0) {
-      P.qkv[o_row] = __float2bfloat16(y * rstd);
-    } else if (p == 1) {
-      P.o[o_row] = __float2bfloat16(y);
-    } else if (p == 2) {
+    __nv_bfloat16 v;
+    if (norm) y *= rstd;
+    if (p == 2) {
       float u = 0.f;
       for (int q = 0; q < wpr; ++q) u += part[((r + j) << pr.wpr_log2) + q];
-      const float gate = bf(y * rstd), up = bf(u * rstd);
-      P.act[o_row] = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+      const float gate = bf(y), up = bf(u * rstd);
+      v = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
     } else {
-      P.out[o_row] = __float2bfloat16(y);
+      v = __float2bfloat16(y);
     }
+    const int o_row = b.lo[p] + tid;
+    (p == 0 ? P.qkv : p == 1 ? P.o : p == 2 ? P.act : P.out)[o_row] = v;
+    store_flagged(P.ll[p] + ((l & 1) ? P.ll_odd : 0) + o_row, v, epoch + 1);
   }
   if (stamps && tid == 0) stamp(P, epoch, 5);
 }
@@ -345,8 +394,11 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
   unsigned char* ring = smem;                                                   // S x STAGE_BYTES
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + S * STAGE_BYTES);         // S
   uint64_t* empty = full + S;                                                   // S
-  float* red = reinterpret_cast<float*>(empty + S);        // [MAX_TILES][CONSUMER_WARPS] warp sums
-  uint4* streams = reinterpret_cast<uint4*>(red + MAX_TILES * CONSUMER_WARPS);  // [CONSUMER_WARPS][MAX_STEPS * 32]
+  Scratch m;
+  m.red = reinterpret_cast<float*>(empty + S);
+  m.sumsq = m.red + MAX_TILES * CONSUMER_WARPS;
+  m.xs = m.sumsq + CONSUMER_WARPS;
+  m.stream = m.xs + P.max_k;
   const bool stamps = P.timeline != nullptr;
 
   Block b;
@@ -376,23 +428,24 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
     return;
   }
 
-  uint4* stream = streams + (threadIdx.x / 32) * MAX_STEPS * 32;
   for (int l = 0; l < P.num_layers; ++l) {
-    consume<0>(P, b, stream, l, ring, full, empty, red, stamps);
-    consume<1>(P, b, stream, l, ring, full, empty, red, stamps);
-    consume<2>(P, b, stream, l, ring, full, empty, red, stamps);
-    consume<3>(P, b, stream, l, ring, full, empty, red, stamps);
+    consume<0>(P, b, m, l, ring, full, empty, stamps);
+    consume<1>(P, b, m, l, ring, full, empty, stamps);
+    consume<2>(P, b, m, l, ring, full, empty, stamps);
+    consume<3>(P, b, m, l, ring, full, empty, stamps);
   }
 }
 
 }  // namespace minirt_chain
 
 // What the Python side (ctypes) calls. It checks shapes, dtypes and alignment and plans the tiles (`plan`: per
-// product n, k, rows_log2, wpr_log2, share); this only sizes and launches. Returns a cudaError_t (0: launched);
-// minirt_gemv_chain_error names it.
+// product n, k, rows_log2, wpr_log2, share); this only sizes and launches. `sync`: zeroed 32-bit words for each
+// product's flagged output, one after the other, each rounded up to 4 words, then the same again for odd layers
+// (gemv_chain_cuda.py's sync_buffer).
+// Returns a cudaError_t (0: launched); minirt_gemv_chain_error names it.
 extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers, const void* x, const void* residual,
                                         void* qkv, void* o, void* act, void* out, void* s1, void* s2,
-                                        unsigned* counter, const int* plan, int num_stages, float eps, int grid,
+                                        uint32_t* sync, const int* plan, int num_stages, float eps, int grid,
                                         int flags, long long* timeline, void* stream) {
   using namespace minirt_chain;
   Params p{};
@@ -406,15 +459,20 @@ extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers,
   p.out = static_cast<__nv_bfloat16*>(out);
   p.s1 = static_cast<__nv_bfloat16*>(s1);
   p.s2 = static_cast<__nv_bfloat16*>(s2);
-  p.counter = counter;
-  for (int i = 0; i < 4; ++i) p.prod[i] = Product{plan[5 * i], plan[5 * i + 1], plan[5 * i + 2], plan[5 * i + 3],
-                                                  plan[5 * i + 4]};
+  p.max_k = 0;
+  p.ll_odd = 0;
+  for (int i = 0; i < 4; ++i) {
+    p.prod[i] = Product{plan[5 * i], plan[5 * i + 1], plan[5 * i + 2], plan[5 * i + 3], plan[5 * i + 4]};
+    p.ll[i] = sync + p.ll_odd;
+    p.ll_odd += (p.prod[i].n + 3) / 4 * 4;
+    p.max_k = max(p.max_k, p.prod[i].k);
+  }
   p.num_stages = num_stages;
   p.eps = eps;
   p.flags = flags;
   p.timeline = timeline;
   const size_t smem = static_cast<size_t>(num_stages) * (STAGE_BYTES + 16) +
-                      sizeof(float) * MAX_TILES * CONSUMER_WARPS + sizeof(uint4) * CONSUMER_WARPS * MAX_STEPS * 32;
+                      sizeof(float) * (MAX_TILES * CONSUMER_WARPS + CONSUMER_WARPS + p.max_k + p.prod[1].n);
   cudaError_t err = cudaFuncSetAttribute(gemv_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return static_cast<int>(err);

@@ -6,11 +6,11 @@ was slower than the four kernels with PDL (19.8 against 13.4 us per layer, `benc
 barrier every program starts its loads from nothing. Here (`gemv_chain_cuda.cu`, CUDA C++, built on first use by
 nvcc into a shared library that ctypes loads) one block per SM runs every layer of the chain; each block owns fixed
 output rows of each product, and a producer warp streams all of its weights, layer after layer, through a ring of
-shared-memory stages with the bulk-copy engine, waiting only for a free stage. Eight consumer warps wait for the
-previous product's output (a grid barrier), each loads the input columns it multiplies from L2 into registers, then
-finds its tiles already loaded. The memory can stream through the waits; what remains per product is the latency
-of the wait, the input's load and the epilogue (Hazy Research's Llama-1B megakernel, 2025, and the warp-specialized
-pipelines of CUTLASS's Hopper kernels work so). `benchmarks/README.md` (issue 23, sessions 7 and 8) has the figures
+shared-memory stages with the bulk-copy engine, waiting only for a free stage. Eight consumer warps load the
+previous product's output as its words arrive (each row is written with the product's number beside it, NCCL's
+"LL" protocol, so no grid barrier), then find their tiles already loaded. The memory can stream through the waits;
+what remains per product is the latency of the output's way through L2 and of the epilogue (Hazy Research's
+Llama-1B megakernel, 2025, and the warp-specialized pipelines of CUTLASS's Hopper kernels work so). `benchmarks/README.md` (issue 23, sessions 7 and 8) has the figures
 against the four kernels with PDL, a breakdown by part (`skip`) and per-block timelines (`timeline`).
 
 Per layer (bf16; the stream s0 of layer 0 is `residual`, or x itself when None; later layers' is the layer before's
@@ -23,8 +23,7 @@ s2, kept in each block's shared memory):
 
 with `linear_gemv`'s arithmetic (float32 sums, the stream rounded to bf16, rstd * dot(w, g * s), gate and up
 rounded before silu(gate) * up); only the order of the sums differs, so results agree with the four `linear_gemv`
-calls to bf16 rounding, not bit for bit. Every consumer warp keeps the whole residual stream, so hidden is at most
-1024 (Qwen3-0.6B's). Needs a Hopper GPU (compute capability 9.0: the bulk copy) and nvcc.
+calls to bf16 rounding, not bit for bit. Needs a Hopper GPU (compute capability 9.0: the bulk copy) and nvcc.
 """
 
 from __future__ import annotations
@@ -48,14 +47,14 @@ from minirt.kernels import num_sms
 SOURCE = Path(__file__).with_name("gemv_chain_cuda.cu")
 STAGE_BYTES = 16384         # one stage of the ring by default (gemv_chain_cuda.cu's MINIRT_STAGE_BYTES)
 CONSUMER_WARPS = 8
-MAX_STEPS = 4               # a warp reads at most MAX_STEPS x 256 columns of a row (and hidden is at most that)
+MAX_STEPS = 4               # a warp reads at most MAX_STEPS x 256 columns of a row
 MAX_TILES = 16              # stage tiles per block per product (the kernel's warp-sum buffer)
 BARRIER_BYTES = 16          # a stage's two mbarriers
-# gemv_chain_cuda.cu's Params::flags: leave out the grid barriers, the input loads, the dot products, the weight stream
+# gemv_chain_cuda.cu's Params::flags: leave out the waits for the previous product's words, the input loads, the dot
+# products, the weight stream
 SKIP_BARRIERS, SKIP_PROLOGUE, SKIP_DOTS, SKIP_STREAM = 1, 2, 4, 8
-SYNC_INTS = 32              # the grid barrier's count, alone in its 128 bytes
-#: What `gemv_chain_layers(timeline=...)` records per block and product (the SM's clock, `clock64`; "input loaded":
-#: warp 0's)
+#: What `gemv_chain_layers(timeline=...)` records per block and product (the SM's clock, `clock64`; "waited": thread
+#: 0 has its own input words)
 TIMELINE_STAMPS = ("start", "waited", "input loaded", "first stage", "stages done", "epilogue done",
                    "first copy issued", "last copy issued")
 
@@ -241,15 +240,14 @@ def check_disjoint(**tensors) -> None:
 def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
                stage_bytes: int = STAGE_BYTES) -> list[Product]:
     """How the kernel tiles each product (qkv, o, gate/up, down): its rows per stage tile (`tile_rows`; gate/up:
-    pairs) and the warps that share a stage row. Raises ValueError naming the field when hidden is more than
-    MAX_STEPS x 256 columns (every consumer warp keeps the whole stream), when a norm's product (hidden columns)
-    would not give each warp a whole row (each warp sums its own squares), or when a block would own more rows than
-    the kernel sums in its epilogue (256) or take more than MAX_TILES tiles."""
+    pairs) and the warps that share a stage row. Raises ValueError naming the field when a block would own no row
+    of gate/up (the kernel's flagged outputs are rewritten two layers later on the strength of every block writing
+    gate/up rows), or when it would own more rows than the kernel sums in its epilogue (256) or take more than
+    MAX_TILES tiles."""
     if stage_bytes < 256 or stage_bytes % 16:
         raise ValueError(f"stage_bytes: a multiple of 16 (the bulk copy's unit), at least 256, got {stage_bytes}")
-    if hidden > MAX_STEPS * 256:
-        raise ValueError(f"hidden: at most {MAX_STEPS * 256} columns (every consumer warp keeps the whole residual "
-                         f"stream), got {hidden}")
+    if inter < grid:
+        raise ValueError(f"inter: every block must own rows of gate/up: {inter} rows for a grid of {grid}")
     plan = []
     for name, n, k, pair in (("hidden", n_qkv, hidden, False), ("k_o", hidden, k_o, False),
                              ("hidden", inter, hidden, True), ("inter", hidden, inter, False)):
@@ -259,9 +257,6 @@ def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
             raise ValueError(f"{name}: {str(err).removeprefix('k: ')}") from None
         wpr = CONSUMER_WARPS // (rows * (2 if pair else 1))
         plan.append(Product(n, k, rows.bit_length() - 1, wpr.bit_length() - 1, k // wpr))
-    if plan[0].wpr_log2 or plan[2].wpr_log2:
-        raise ValueError(f"hidden: a norm's products need a whole row of {hidden} columns per warp: "
-                         f"{CONSUMER_WARPS} rows of them must fit a {stage_bytes}-byte stage")
     for name, p in zip(("n_qkv", "hidden", "inter", "hidden"), plan):
         per_block, r = math.ceil(p.n / grid), 1 << p.rows_log2
         if per_block > CONSUMER_WARPS * 32 or math.ceil(per_block / r) > MAX_TILES or p.n * grid >= 2 ** 32:
@@ -270,33 +265,40 @@ def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
     return plan
 
 
-def shared_bytes(num_stages: int, stage_bytes: int = STAGE_BYTES) -> int:
-    """Dynamic shared memory of a launch: the ring and its barriers, the warp sums, each warp's copy of the stream."""
-    return (num_stages * (stage_bytes + BARRIER_BYTES) + 4 * MAX_TILES * CONSUMER_WARPS
-            + 16 * CONSUMER_WARPS * MAX_STEPS * 32)
+def shared_bytes(num_stages: int, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
+    """Dynamic shared memory of a launch: the ring and its barriers, the warp sums and sums of squares, the input
+    and the stream (float32)."""
+    return (num_stages * (stage_bytes + BARRIER_BYTES)
+            + 4 * (MAX_TILES * CONSUMER_WARPS + CONSUMER_WARPS + max(hidden, k_o, inter) + hidden))
 
 
-def max_stages(device: torch.device, stage_bytes: int = STAGE_BYTES) -> int:
+def max_stages(device: torch.device, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
     """The most stages a block's shared memory holds next to the rest."""
     props = torch.cuda.get_device_properties(device)
     limit = getattr(props, "shared_memory_per_block_optin", 227 * 1024)
-    return (limit - shared_bytes(0)) // (stage_bytes + BARRIER_BYTES)
+    return (limit - shared_bytes(0, hidden, k_o, inter)) // (stage_bytes + BARRIER_BYTES)
 
 
-def sync_buffer(device: torch.device) -> torch.Tensor:
-    """A zeroed int32 buffer for `gemv_chain_layers`' counter (the grid barrier's count)."""
-    return torch.zeros(SYNC_INTS, dtype=torch.int32, device=device)
+def sync_words(hidden: int, n_qkv: int, inter: int) -> int:
+    """The 32-bit words of `sync_buffer`: each product's output rows as flagged words (q/k/v, o, act, out), each
+    rounded up to 4 words (16 bytes), for even layers and again for odd ones."""
+    return 2 * sum(-(-n // 4) * 4 for n in (n_qkv, hidden, inter, hidden))
+
+
+def sync_buffer(device: torch.device, hidden: int, n_qkv: int, inter: int) -> torch.Tensor:
+    """The int32 buffer `gemv_chain_layers` signals through (zeroed by each launch): `sync_words` words."""
+    return torch.zeros(sync_words(hidden, n_qkv, inter), dtype=torch.int32, device=device)
 
 
 def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = None, *,
-                      table: LayerTable | None = None, counter: torch.Tensor | None = None,
+                      table: LayerTable | None = None, sync: torch.Tensor | None = None,
                       num_stages: int | None = None, grid: int | None = None, eps: float = 1e-6,
                       outputs: ChainOutputs | None = None, stage_bytes: int = STAGE_BYTES,
                       skip: int = 0, timeline: torch.Tensor | None = None) -> ChainOutputs:
     """Every layer of `layers` (see `check_layers`) in one launch, for one row: x `[1, H]` bf16, residual `[1, H]`
     or None. table: `layer_table(layers)` of these layers, built here when None (not inside a CUDA graph capture).
-    counter: `sync_buffer(device)` (None: a new one), zeroed here on the stream before the launch (inside a
-    graph too). stage_bytes: the ring's stage size (one library per size). num_stages: ring stages (None:
+    sync: `sync_buffer(device, hidden, n_qkv, inter)` (None: a new one), zeroed here on the stream before the launch
+    (inside a graph too). stage_bytes: the ring's stage size (one library per size). num_stages: ring stages (None:
     as many as shared memory holds). grid: blocks (None: one per SM). Every block waits for the others, so all must
     be resident at once: at most one per SM is checked, not that the SMs are free (other kernels spinning on the
     GPU at the same time, or an MPS share smaller than the GPU, would make it wait forever).
@@ -328,8 +330,11 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
     grid = sms if grid is None else grid
     if not 1 <= grid <= sms:
         raise ValueError(f"grid: 1 to {sms} blocks (one per SM at most), got {grid}")
+    if len(layers) * 4 >= 1 << 16:
+        raise ValueError(f"layers: at most {(1 << 16) // 4 - 1} (a flag counts products in 16 bits), got "
+                         f"{len(layers)}")
     plan = chain_plan(hidden, n_qkv, k_o, inter, grid, stage_bytes)
-    most = max_stages(x.device, stage_bytes)
+    most = max_stages(x.device, hidden, k_o, inter, stage_bytes)
     num_stages = most if num_stages is None else num_stages
     if not 2 <= num_stages <= most:
         raise ValueError(f"num_stages: 2 to {most} stages fit a block's shared memory, got {num_stages}")
@@ -338,12 +343,13 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
                                  or tuple(timeline.shape) != (grid, 4 * len(layers), len(TIMELINE_STAMPS))):
         raise ValueError(f"timeline: must be a contiguous int64 [{grid}, {4 * len(layers)}, {len(TIMELINE_STAMPS)}] "
                          f"on {x.device}, got {timeline.dtype} {tuple(timeline.shape)} on {timeline.device}")
-    if counter is None:
-        counter = sync_buffer(x.device)
-    elif (counter.dtype != torch.int32 or counter.numel() < SYNC_INTS or counter.device != x.device
-          or not counter.is_contiguous()):
-        raise ValueError(f"counter: must be sync_buffer({x.device}), int32 [{SYNC_INTS}], got "
-                         f"{counter.dtype} {tuple(counter.shape)} on {counter.device}")
+    words = sync_words(hidden, n_qkv, inter)
+    if sync is None:
+        sync = sync_buffer(x.device, hidden, n_qkv, inter)
+    elif (sync.dtype != torch.int32 or sync.numel() < words or sync.device != x.device or not sync.is_contiguous()
+          or sync.data_ptr() % 16):
+        raise ValueError(f"sync: must be sync_buffer({x.device}, {hidden}, {n_qkv}, {inter}), int32 [{words}] "
+                         f"16-byte aligned, got {sync.dtype} {tuple(sync.shape)} on {sync.device}")
     new = functools.partial(torch.empty, dtype=x.dtype, device=x.device)
     sizes = ChainOutputs(n_qkv, hidden, hidden, inter, hidden, hidden)
     if outputs is None:
@@ -355,14 +361,14 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
                     or t.data_ptr() % 16):
                 raise ValueError(f"outputs: {name} must be a contiguous 16-byte-aligned bf16 [1, {n}] on {x.device}, "
                                  f"got {t.dtype} {tuple(t.shape)} on {t.device} at {t.data_ptr():#x}")
-    check_disjoint(**outs._asdict(), x=x, residual=residual, counter=counter, timeline=timeline)
+    check_disjoint(**outs._asdict(), x=x, residual=residual, sync=sync, timeline=timeline)
     lib = library(stage_bytes=stage_bytes)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
-    counter.zero_()
+    sync.zero_()
     with torch.cuda.device(x.device):                      # the attribute and the launch act on the current device
         err = lib.minirt_gemv_chain_launch(
             ptr(table.addresses), len(layers), ptr(x), ptr(residual), ptr(outs.qkv), ptr(outs.o), ptr(outs.act),
-            ptr(outs.out), ptr(outs.stream_attn), ptr(outs.stream_mlp), ptr(counter),
+            ptr(outs.out), ptr(outs.stream_attn), ptr(outs.stream_mlp), ptr(sync),
             (ctypes.c_int * 20)(*(v for product in plan for v in product)), num_stages, eps, grid, skip,
             ptr(timeline), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
