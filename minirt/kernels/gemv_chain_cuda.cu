@@ -239,7 +239,7 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
       if (c >= k) continue;
       if (first) {
         const uint2 x2 = *reinterpret_cast<const uint2*>(P.x + c);     // as flagged words, flag left out
-        xv[i] = make_uint4(x2.x << 16, x2.x & 0xffff0000u, x2.y << 16, x2.y & 0xffff0000u);
+        xv[i] = make_uint4(x2.x & 0xffffu, x2.x >> 16, x2.y & 0xffffu, x2.y >> 16);
         if (P.residual != nullptr) rv[i] = *reinterpret_cast<const uint2*>(P.residual + c);
       } else {
         xv[i] = load_flagged(in + c);
