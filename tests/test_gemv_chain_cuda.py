@@ -17,8 +17,8 @@ DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cp
 MISSING = C.cuda_chain_missing(DEVICE)
 needs_kernel = pytest.mark.skipif(bool(MISSING), reason=f"needs {' and '.join(MISSING)}")
 QWEN3 = (1024, 4096, 2048, 3072)       # (hidden, q/k/v rows, o_proj's input, intermediate)
-ODD = (640, 1280, 1152, 1536)          # rows no grid divides evenly; shares of rows not whole 256-column steps
-WIDE = (1024, 2048, 2048, 6144)        # o_proj reads all of q/k/v; down_proj one row a stage, a wide input
+ODD = (640, 1280, 1152, 1536)          # rows no grid divides evenly; warps' shares not whole 32-column chunks
+WIDE = (1024, 2048, 2048, 3072)        # o_proj reads all of q/k/v
 TINY = (128, 384, 256, 512)            # fewer hidden rows than SMs: blocks that own none of a product's rows
 
 
@@ -56,14 +56,15 @@ def poisoned(hidden, n_qkv, inter):
 
 
 @pytest.mark.parametrize("pair", [False, True], ids=["plain", "gate-up"])
-@pytest.mark.parametrize("k", [256, 512, 640, 644, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288])
+@pytest.mark.parametrize("k", [64, 256, 512, 640, 644, 768, 1024, 1152, 1536, 2048, 3072, 3136, 4096, 12288])
 def test_tile_rows_is_the_largest_power_of_two_that_fits(k, pair):
-    """Brute force: of the powers of two up to one stage row per warp, the largest whose rows fit a stage; refused
-    when none fits, or when a warp's share of a row is not whole 8-column loads, or more than MAX_STEPS x 256."""
+    """Brute force: of the powers of two up to 8 stage rows (the tensor cores' B operand), the largest whose rows
+    fit a stage; refused when none fits, or when a warp's share of a row is not whole 8-column loads, or more than
+    MAX_CHUNKS x 32."""
     stage_rows = lambda r: r * (2 if pair else 1)  # noqa: E731
-    fits = [r for r in (1, 2, 4, 8) if stage_rows(r) <= C.CONSUMER_WARPS and stage_rows(r) * k * 2 <= C.STAGE_BYTES]
-    warps_per_row = C.CONSUMER_WARPS // stage_rows(max(fits)) if fits else 0
-    if not fits or k % (8 * warps_per_row) or k // warps_per_row > 256 * C.MAX_STEPS:
+    fits = [r for r in (1, 2, 4, 8) if stage_rows(r) <= 8 and stage_rows(r) * k * 2 <= C.STAGE_BYTES]
+    share = k / C.CONSUMER_WARPS
+    if not fits or share % 8 or share > 32 * C.MAX_CHUNKS:
         with pytest.raises(ValueError, match="^k: "):
             C.tile_rows(k, pair)
     else:
@@ -109,17 +110,17 @@ def assert_rounded_from(name, a, ref, steps=1.0):
 
 
 @pytest.mark.parametrize("shape", [QWEN3, ODD, WIDE, TINY], ids=["qwen3", "odd", "wide", "tiny"])
-def test_chain_plan_gives_every_warp_one_share_of_one_stage_row(shape):
-    """Each product's tile (tile_rows' rows; gate/up: gate and up rows) has one row per group of warps and fits a
-    stage; each warp's share is whole 8-column loads that cover k."""
+def test_chain_plan_tiles_every_product(shape):
+    """Each product's tile (tile_rows' rows; gate/up: gate and up rows) fits a stage and the tensor cores' 8 B
+    columns; each warp's share of k is whole 8-column loads, at most MAX_CHUNKS x 32."""
     hidden, n_qkv, k_o, inter = shape
     plan = C.chain_plan(*shape, grid=132)
     for p, (n, k, pair) in zip(plan, [(n_qkv, hidden, False), (hidden, k_o, False), (inter, hidden, True),
                                       (hidden, inter, False)]):
         stage_rows = (1 << p.rows_log2) * (2 if pair else 1)
         assert (p.n, p.k, 1 << p.rows_log2) == (n, k, C.tile_rows(k, pair))
-        assert stage_rows << p.wpr_log2 == C.CONSUMER_WARPS and stage_rows * k * 2 <= C.STAGE_BYTES
-        assert p.share << p.wpr_log2 == k and p.share % 8 == 0 and p.share <= 256 * C.MAX_STEPS
+        assert stage_rows <= 8 and stage_rows * k * 2 <= C.STAGE_BYTES
+        assert k % (8 * C.CONSUMER_WARPS) == 0 and k // C.CONSUMER_WARPS <= 32 * C.MAX_CHUNKS
 
 
 @needs_kernel

@@ -9,9 +9,10 @@
 //     never for activations, so the memory keeps streaming while the other warps wait for the rest of the grid;
 //   - eight consumer warps load the previous product's output as it arrives, each thread its columns, into shared
 //     memory (with the norm's prologue; the residual stream stays in shared memory from layer to layer), then take
-//     the stages as they fill: one row (or a share of one row's columns) per warp, a dot product of 16-byte loads
-//     in independent chains, summed across the warp's lanes in a fixed order; the epilogue adds a row's warps in a
-//     fixed order (the same bits on every run) and writes the row.
+//     the stages as they fill: each warp an eighth of the columns of every row of a tile, on the tensor cores
+//     (mma.sync with x split into three bf16 parts that add up to it, so that the float32 products and sums are
+//     those of FMAs in another order); the epilogue adds a row's eight warp sums in a fixed order (the same bits on
+//     every run) and writes the row.
 // No grid barrier: each output row is also written as a 32-bit word with the product's number in its upper half
 // and the bf16 in its lower (NCCL's "LL" protocol: one store carries the value and its flag, so a reader that sees
 // the flag has the value, with no fence), and the next product's readers poll their own words. Even and odd layers
@@ -41,10 +42,11 @@ constexpr int THREADS = CONSUMERS + 32;          // + the producer warp
 #define MINIRT_STAGE_BYTES 16384
 #endif
 constexpr int STAGE_BYTES = MINIRT_STAGE_BYTES;  // one ring stage (gemv_chain_cuda.py builds a library per size)
-constexpr int MAX_STEPS = 4;                     // a warp's share of a row: at most 4 x 256 columns
+constexpr int MAX_CHUNKS = 12;                   // a warp's share of a row: at most 12 x 32 columns
+constexpr int GROUP = 4;                         // chunks whose weights a lane loads before their products
 constexpr int MAX_TILES = 16;                    // stage tiles per block per product (the warp sums' buffer)
-constexpr int MAX_X_VECS = 8;                    // a product's input: at most 8 x 4 x CONSUMERS columns
-static_assert(MAX_X_VECS * 4 * CONSUMERS >= CONSUMER_WARPS * MAX_STEPS * 256, "the widest row the tiles allow");
+constexpr int MAX_X_VECS = 3;                    // a product's input: at most 3 x 4 x CONSUMERS columns
+static_assert(MAX_X_VECS * 4 * CONSUMERS >= CONSUMER_WARPS * MAX_CHUNKS * 32, "the widest row the tiles allow");
 // Params::flags, for benchmarks/gemv.py's breakdown of the time (each leaves a part out; results are then wrong)
 constexpr int SKIP_BARRIERS = 1, SKIP_PROLOGUE = 2, SKIP_DOTS = 4, SKIP_STREAM = 8;
 // Params::timeline: per block and product, the SM's clock when thread 0 starts the product, has its own input
@@ -58,8 +60,6 @@ constexpr int STAMPS = 8;
 struct Product {
   int n, k;          // output rows, input columns
   int rows_log2;     // output rows per stage tile (gate/up: pairs, gate rows then up rows in the stage)
-  int wpr_log2;      // warps per stage row, each `share` of its columns
-  int share;         // k >> wpr_log2
 };
 
 struct Params {
@@ -150,6 +150,16 @@ __device__ __forceinline__ void stamp(const Params& P, int product, int slot) {
 
 __device__ __forceinline__ float bf(float v) { return __bfloat162float(__float2bfloat16(v)); }
 
+// d += A B, m16n8k16, bf16 in, float32 sums: A's rows 0-7 given per lane by (a0, a2) (its rows 8-15 zero), B by
+// (b0, b1), in mma.sync's fragment layout (PTX ISA, "Matrix Fragments for mma.m16n8k16").
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %5}, {%7, %8}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ void unpack(const uint4& u, float (&v)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
@@ -195,7 +205,7 @@ __device__ __forceinline__ void produce(const Params& P, Block& b, const __nv_bf
 // The block's shared memory beside the ring: the warp sums, this product's input (the norm's weight applied), the
 // residual stream (exact bf16 values) and each warp's sum of squares.
 struct Scratch {
-  float* red;      // [MAX_TILES][CONSUMER_WARPS]
+  float* red;      // [MAX_TILES][CONSUMER_WARPS][8]: each warp's sums of a tile's rows
   float* xs;       // [max k]
   float* stream;   // [hidden]
   float* sumsq;    // [CONSUMER_WARPS]
@@ -296,69 +306,77 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   }
   if (stamps && tid == 0) stamp(P, epoch, 2);
 
-  // Each lane multiplies the same columns of every row it takes in this product: its share of x in registers.
-  const int row = warp >> pr.wpr_log2;                 // the warp's row of a stage tile
-  const int c0 = (warp & ((1 << pr.wpr_log2) - 1)) * pr.share + lane * 8;   // its lane's first column
-  bool live_step[MAX_STEPS];
-  float xr[MAX_STEPS][8];
+  // The stages on the tensor cores: each warp a share of k (k / 8 columns) of every row of a tile, in chunks of 32
+  // columns, each chunk two m16n8k16 products D += A B with the tile's rows as B's 8 columns (a lane loads 8
+  // weights of row lane / 4) and x, split into three bf16 parts that add up to it exactly (x = hi + mid + lo), as
+  // A's first three rows (the other 13 zero). The products are exact in float32 and D's float32 sums add them, so
+  // the arithmetic is that of float32 FMAs with the sums in another order.
+  const int g = lane / 4, q = lane % 4;               // A's row and B's column (the split part, the tile row)
+  const int share = k / CONSUMER_WARPS;
+  const int c0 = warp * share + 8 * q;                // the lane's first column of each chunk: c0 + 32 j
+  bool live_chunk[MAX_CHUNKS];
+  uint32_t xa[MAX_CHUNKS][4];                         // A for the chunk's two products: (x0 x1)(x2 x3), (x4 x5)(x6 x7)
 #pragma unroll
-  for (int i = 0; i < MAX_STEPS; ++i) {
-    live_step[i] = i * 256 + lane * 8 < pr.share;
-    if (live_step[i]) {
-      const float4 a = *reinterpret_cast<const float4*>(m.xs + c0 + i * 256);
-      const float4 c = *reinterpret_cast<const float4*>(m.xs + c0 + i * 256 + 4);
-      xr[i][0] = a.x; xr[i][1] = a.y; xr[i][2] = a.z; xr[i][3] = a.w;
-      xr[i][4] = c.x; xr[i][5] = c.y; xr[i][6] = c.z; xr[i][7] = c.w;
+  for (int j = 0; j < MAX_CHUNKS; ++j) {
+    live_chunk[j] = 32 * j + 8 * q < share;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) xa[j][e] = 0u;
+    if (live_chunk[j] && g < 3) {
+      const float4 lo4 = *reinterpret_cast<const float4*>(m.xs + c0 + 32 * j);
+      const float4 hi4 = *reinterpret_cast<const float4*>(m.xs + c0 + 32 * j + 4);
+      const float x8[8] = {lo4.x, lo4.y, lo4.z, lo4.w, hi4.x, hi4.y, hi4.z, hi4.w};
+      __nv_bfloat16 part[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const float hi = bf(x8[e]), mid = bf(x8[e] - hi);
+        part[e] = __float2bfloat16(g == 0 ? hi : g == 1 ? mid : (x8[e] - hi) - mid);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const __nv_bfloat162 two = __halves2bfloat162(part[2 * e], part[2 * e + 1]);
+        xa[j][e] = *reinterpret_cast<const uint32_t*>(&two);
+      }
     }
   }
 
   // The stages: tiles of r output rows (gate/up: r gate rows, then r up rows) of k columns.
   const int r = 1 << pr.rows_log2;
   const int rows = b.hi[p] - b.lo[p];
-  const int tile_row = p == 2 ? (row & (r - 1)) : row;  // the warp's output row in its tile (gate/up: in its half)
-  const int offset = row * pr.k + c0;                   // its lane's first weight in a stage, in bf16 elements
-  // A tile's lane sums are added across the warp while the next tile's loads are in flight.
-  float pending = 0.f;
+  const int tile_row = p == 2 ? (g & (r - 1)) : g;   // the lane's output row in its tile (gate/up: in its half)
+  const bool in_tile = g < (p == 2 ? 2 * r : r);
+  const int offset = g * k + c0;                      // its first weight in a stage, in bf16 elements
   for (int t = 0, r0 = 0; r0 < rows; ++t, r0 += r) {
     if (stream_on) mbar_wait(&full[b.stage], b.phase);
     if (stamps && tid == 0 && t == 0) stamp(P, epoch, 3);
-    const bool live = tile_row < rows - r0 && dots;
+    const bool live = in_tile && tile_row < rows - r0 && dots;
     const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(ring + b.stage * STAGE_BYTES) + offset;
-    uint4 w8[MAX_STEPS];
+    float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};   // two chains of D
 #pragma unroll
-    for (int i = 0; i < MAX_STEPS; ++i)        // every load of the stage first, then the arithmetic
-      if (live && live_step[i]) w8[i] = *reinterpret_cast<const uint4*>(w + i * 256);
-    if (t > 0) {
-      pending = warp_sum(pending);
-      if (lane == 0) m.red[(t - 1) * CONSUMER_WARPS + warp] = pending;
-    }
-    float acc = 0.f;
-    if (live) {
-      float chain[MAX_STEPS][2];
+    for (int j0 = 0; j0 < MAX_CHUNKS; j0 += GROUP) {  // GROUP chunks' loads in flight, then their products
+      if (32 * j0 >= share) break;                  // the warp's chunks (the same for all its lanes)
+      uint4 w8[GROUP];
 #pragma unroll
-      for (int i = 0; i < MAX_STEPS; ++i) {
-        chain[i][0] = chain[i][1] = 0.f;
-        if (live_step[i]) {
-          const __nv_bfloat162* w2 = reinterpret_cast<const __nv_bfloat162*>(&w8[i]);
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = __bfloat1622float2(w2[e]);
-            chain[i][0] = fmaf(f.x, xr[i][2 * e], chain[i][0]);
-            chain[i][1] = fmaf(f.y, xr[i][2 * e + 1], chain[i][1]);
-          }
-        }
+      for (int j = 0; j < GROUP; ++j) {
+        w8[j] = make_uint4(0u, 0u, 0u, 0u);
+        if (live && live_chunk[j0 + j]) w8[j] = *reinterpret_cast<const uint4*>(w + 32 * (j0 + j));
       }
 #pragma unroll
-      for (int i = 0; i < MAX_STEPS; ++i) acc += chain[i][0] + chain[i][1];
+      for (int j = 0; j < GROUP; ++j) {
+        if (32 * (j0 + j) >= share) break;
+        mma_bf16(d[0], xa[j0 + j][0], xa[j0 + j][1], w8[j].x, w8[j].y);
+        mma_bf16(d[1], xa[j0 + j][2], xa[j0 + j][3], w8[j].z, w8[j].w);
+      }
     }
-    __syncwarp();                                // every lane's reads of the stage are done
+    __syncwarp();                                 // every lane's reads of the stage are done
     if (lane == 0 && stream_on) mbar_arrive(&empty[b.stage]);
     next_stage(b, P.num_stages);
-    pending = acc;
-  }
-  if (rows > 0) {
-    pending = warp_sum(pending);
-    if (lane == 0) m.red[((rows - 1) >> pr.rows_log2) * CONSUMER_WARPS + warp] = pending;
+    // Tile rows 2q and 2q + 1 of A's row g: add the three parts (lanes q, q + 4, q + 8) in a fixed order.
+    float y0 = d[0][0] + d[1][0], y1 = d[0][1] + d[1][1];
+    y0 += __shfl_xor_sync(0xffffffffu, y0, 4);
+    y1 += __shfl_xor_sync(0xffffffffu, y1, 4);
+    y0 += __shfl_xor_sync(0xffffffffu, y0, 8);
+    y1 += __shfl_xor_sync(0xffffffffu, y1, 8);
+    if (g == 0) *reinterpret_cast<float2*>(m.red + (t * CONSUMER_WARPS + warp) * 8 + 2 * q) = make_float2(y0, y1);
   }
   consumer_sync();
   if (stamps && tid == 0) stamp(P, epoch, 4);
@@ -366,16 +384,17 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   // Epilogue: one thread per output row of the block, its warps' sums in a fixed order; the row goes out as is and
   // as a flagged word for the next product's readers.
   if (tid < rows) {
-    const int wpr = 1 << pr.wpr_log2;
-    const float* part = m.red + (tid >> pr.rows_log2) * CONSUMER_WARPS;
+    const float* part = m.red + (tid >> pr.rows_log2) * CONSUMER_WARPS * 8;
     const int j = tid & (r - 1);
     float y = 0.f;
-    for (int q = 0; q < wpr; ++q) y += part[(j << pr.wpr_log2) + q];
+#pragma unroll
+    for (int w = 0; w < CONSUMER_WARPS; ++w) y += part[w * 8 + j];
     __nv_bfloat16 v;
     if (norm) y *= rstd;
     if (p == 2) {
       float u = 0.f;
-      for (int q = 0; q < wpr; ++q) u += part[((r + j) << pr.wpr_log2) + q];
+#pragma unroll
+      for (int w = 0; w < CONSUMER_WARPS; ++w) u += part[w * 8 + r + j];
       const float gate = bf(y), up = bf(u * rstd);
       v = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
     } else {
@@ -396,7 +415,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
   uint64_t* empty = full + S;                                                   // S
   Scratch m;
   m.red = reinterpret_cast<float*>(empty + S);
-  m.sumsq = m.red + MAX_TILES * CONSUMER_WARPS;
+  m.sumsq = m.red + MAX_TILES * CONSUMER_WARPS * 8;
   m.xs = m.sumsq + CONSUMER_WARPS;
   m.stream = m.xs + P.max_k;
   const bool stamps = P.timeline != nullptr;
@@ -439,7 +458,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
 }  // namespace minirt_chain
 
 // What the Python side (ctypes) calls. It checks shapes, dtypes and alignment and plans the tiles (`plan`: per
-// product n, k, rows_log2, wpr_log2, share); this only sizes and launches. `sync`: zeroed 32-bit words for each
+// product n, k, rows_log2); this only sizes and launches. `sync`: zeroed 32-bit words for each
 // product's flagged output, one after the other, each rounded up to 4 words, then the same again for odd layers
 // (gemv_chain_cuda.py's sync_buffer).
 // Returns a cudaError_t (0: launched); minirt_gemv_chain_error names it.
@@ -462,7 +481,7 @@ extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers,
   p.max_k = 0;
   p.ll_odd = 0;
   for (int i = 0; i < 4; ++i) {
-    p.prod[i] = Product{plan[5 * i], plan[5 * i + 1], plan[5 * i + 2], plan[5 * i + 3], plan[5 * i + 4]};
+    p.prod[i] = Product{plan[3 * i], plan[3 * i + 1], plan[3 * i + 2]};
     p.ll[i] = sync + p.ll_odd;
     p.ll_odd += (p.prod[i].n + 3) / 4 * 4;
     p.max_k = max(p.max_k, p.prod[i].k);
@@ -472,7 +491,7 @@ extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers,
   p.flags = flags;
   p.timeline = timeline;
   const size_t smem = static_cast<size_t>(num_stages) * (STAGE_BYTES + 16) +
-                      sizeof(float) * (MAX_TILES * CONSUMER_WARPS + CONSUMER_WARPS + p.max_k + p.prod[1].n);
+                      sizeof(float) * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + p.max_k + p.prod[1].n);
   cudaError_t err = cudaFuncSetAttribute(gemv_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return static_cast<int>(err);

@@ -47,7 +47,7 @@ from minirt.kernels import num_sms
 SOURCE = Path(__file__).with_name("gemv_chain_cuda.cu")
 STAGE_BYTES = 16384         # one stage of the ring by default (gemv_chain_cuda.cu's MINIRT_STAGE_BYTES)
 CONSUMER_WARPS = 8
-MAX_STEPS = 4               # a warp reads at most MAX_STEPS x 256 columns of a row
+MAX_CHUNKS = 12             # a warp multiplies at most MAX_CHUNKS x 32 columns of each row (k / CONSUMER_WARPS)
 MAX_TILES = 16              # stage tiles per block per product (the kernel's warp-sum buffer)
 BARRIER_BYTES = 16          # a stage's two mbarriers
 # gemv_chain_cuda.cu's Params::flags: leave out the waits for the previous product's words, the input loads, the dot
@@ -65,8 +65,6 @@ class Product(NamedTuple):
     n: int             # output rows
     k: int             # input columns
     rows_log2: int     # log2 of the output rows per stage tile (gate/up: pairs, gate rows then up rows)
-    wpr_log2: int      # log2 of the warps per stage row, each a share of k
-    share: int         # columns per warp: k >> wpr_log2
 
 
 class ChainOutputs(NamedTuple):
@@ -156,21 +154,19 @@ def library(arch: str = "sm_90", stage_bytes: int = STAGE_BYTES) -> ctypes.CDLL:
 
 def tile_rows(k: int, pair: bool, stage_bytes: int = STAGE_BYTES) -> int:
     """Output rows per stage tile of a product with k input columns: the largest power of two whose rows (gate
-    and up rows for a SiLU-and-multiply product) fill at most one stage and one warp each. Raises ValueError
-    naming k when one row does not fit a stage, or when a warp's share of a row is not whole 16-byte loads or
-    more than MAX_STEPS x 256 columns."""
+    and up rows for a SiLU-and-multiply product) fill at most one stage and at most the 8 columns of the tensor
+    cores' B operand. Raises ValueError naming k when one row does not fit a stage, or when a warp's share of a
+    row (k / CONSUMER_WARPS) is not whole 8-column loads or more than MAX_CHUNKS x 32 columns."""
     per_row = k * 2 * (2 if pair else 1)
-    rows = CONSUMER_WARPS // (2 if pair else 1)
+    rows = 8 // (2 if pair else 1)
     while rows > 1 and rows * per_row > stage_bytes:
         rows //= 2
     if rows * per_row > stage_bytes:
         raise ValueError(f"k: a row of {k} bf16 columns{' (gate and up)' if pair else ''} does not fit a "
                          f"{stage_bytes}-byte stage")
-    warps_per_row = CONSUMER_WARPS // (rows * (2 if pair else 1))
-    share = k // warps_per_row
-    if k % (8 * warps_per_row) or share > MAX_STEPS * 256:
-        raise ValueError(f"k: {k} columns over {warps_per_row} warps per row must be whole 8-column loads, at most "
-                         f"{MAX_STEPS * 256} per warp")
+    if k % (8 * CONSUMER_WARPS) or k > CONSUMER_WARPS * MAX_CHUNKS * 32:
+        raise ValueError(f"k: {k} columns over {CONSUMER_WARPS} warps must be whole 8-column loads, at most "
+                         f"{MAX_CHUNKS * 32} per warp")
     return rows
 
 
@@ -240,7 +236,7 @@ def check_disjoint(**tensors) -> None:
 def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
                stage_bytes: int = STAGE_BYTES) -> list[Product]:
     """How the kernel tiles each product (qkv, o, gate/up, down): its rows per stage tile (`tile_rows`; gate/up:
-    pairs) and the warps that share a stage row. Raises ValueError naming the field when a block would own no row
+    pairs). Raises ValueError naming the field when a block would own no row
     of gate/up (the kernel's flagged outputs are rewritten two layers later on the strength of every block writing
     gate/up rows), or when it would own more rows than the kernel sums in its epilogue (256) or take more than
     MAX_TILES tiles."""
@@ -255,8 +251,7 @@ def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
             rows = tile_rows(k, pair, stage_bytes)
         except ValueError as err:                       # tile_rows names its k: say which of the chain's it is
             raise ValueError(f"{name}: {str(err).removeprefix('k: ')}") from None
-        wpr = CONSUMER_WARPS // (rows * (2 if pair else 1))
-        plan.append(Product(n, k, rows.bit_length() - 1, wpr.bit_length() - 1, k // wpr))
+        plan.append(Product(n, k, rows.bit_length() - 1))
     for name, p in zip(("n_qkv", "hidden", "inter", "hidden"), plan):
         per_block, r = math.ceil(p.n / grid), 1 << p.rows_log2
         if per_block > CONSUMER_WARPS * 32 or math.ceil(per_block / r) > MAX_TILES or p.n * grid >= 2 ** 32:
@@ -269,7 +264,7 @@ def shared_bytes(num_stages: int, hidden: int, k_o: int, inter: int, stage_bytes
     """Dynamic shared memory of a launch: the ring and its barriers, the warp sums and sums of squares, the input
     and the stream (float32)."""
     return (num_stages * (stage_bytes + BARRIER_BYTES)
-            + 4 * (MAX_TILES * CONSUMER_WARPS + CONSUMER_WARPS + max(hidden, k_o, inter) + hidden))
+            + 4 * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + max(hidden, k_o, inter) + hidden))
 
 
 def max_stages(device: torch.device, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
@@ -369,7 +364,7 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
         err = lib.minirt_gemv_chain_launch(
             ptr(table.addresses), len(layers), ptr(x), ptr(residual), ptr(outs.qkv), ptr(outs.o), ptr(outs.act),
             ptr(outs.out), ptr(outs.stream_attn), ptr(outs.stream_mlp), ptr(sync),
-            (ctypes.c_int * 20)(*(v for product in plan for v in product)), num_stages, eps, grid, skip,
+            (ctypes.c_int * 12)(*(v for product in plan for v in product)), num_stages, eps, grid, skip,
             ptr(timeline), torch.cuda.current_stream(x.device).cuda_stream)
     if err:
         raise RuntimeError(f"gemv_chain_layers: the launch failed: {lib.minirt_gemv_chain_error(err).decode()}")
