@@ -203,10 +203,10 @@ __device__ __forceinline__ void produce(const Params& P, Block& b, const __nv_bf
 }
 
 // The block's shared memory beside the ring: the warp sums, this product's input (the norm's weight applied), the
-// residual stream (exact bf16 values) and each warp's sum of squares.
+// residual stream (exact bf16 values, as float) and each warp's sum of squares.
 struct Scratch {
   float* red;      // [MAX_TILES][CONSUMER_WARPS][8]: each warp's sums of a tile's rows
-  float* xs;       // [max k]
+  __nv_bfloat16* xs;   // [3][max k]: this product's input in three parts (hi, mid, lo)
   float* stream;   // [hidden]
   float* sumsq;    // [CONSUMER_WARPS]
 };
@@ -289,7 +289,19 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
         const float2 g23 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&gv[i].y));
         v = make_float4(v.x * g01.x, v.y * g01.y, v.z * g23.x, v.w * g23.y);
       }
-      *reinterpret_cast<float4*>(m.xs + c) = v;
+      // x as three bf16 parts that add up to it exactly (8 + 8 + 8 of float32's 24 bits), for the tensor cores.
+      const float in[4] = {v.x, v.y, v.z, v.w};
+      __nv_bfloat16 hi[4], mid[4], lo[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        hi[e] = __float2bfloat16(in[e]);
+        const float rest = in[e] - __bfloat162float(hi[e]);           // exact
+        mid[e] = __float2bfloat16(rest);
+        lo[e] = __float2bfloat16(rest - __bfloat162float(mid[e]));   // exact
+      }
+      *reinterpret_cast<uint2*>(m.xs + c) = *reinterpret_cast<const uint2*>(hi);
+      *reinterpret_cast<uint2*>(m.xs + P.max_k + c) = *reinterpret_cast<const uint2*>(mid);
+      *reinterpret_cast<uint2*>(m.xs + 2 * P.max_k + c) = *reinterpret_cast<const uint2*>(lo);
     }
     if (norm) {
       sq = warp_sum(sq);
@@ -315,28 +327,12 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   const int share = k / CONSUMER_WARPS;
   const int c0 = warp * share + 8 * q;                // the lane's first column of each chunk: c0 + 32 j
   bool live_chunk[MAX_CHUNKS];
-  uint32_t xa[MAX_CHUNKS][4];                         // A for the chunk's two products: (x0 x1)(x2 x3), (x4 x5)(x6 x7)
+  uint4 xa[MAX_CHUNKS];                               // A for the chunk's two products: (x0 x1)(x2 x3), (x4 x5)(x6 x7)
 #pragma unroll
   for (int j = 0; j < MAX_CHUNKS; ++j) {
     live_chunk[j] = 32 * j + 8 * q < share;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) xa[j][e] = 0u;
-    if (live_chunk[j] && g < 3) {
-      const float4 lo4 = *reinterpret_cast<const float4*>(m.xs + c0 + 32 * j);
-      const float4 hi4 = *reinterpret_cast<const float4*>(m.xs + c0 + 32 * j + 4);
-      const float x8[8] = {lo4.x, lo4.y, lo4.z, lo4.w, hi4.x, hi4.y, hi4.z, hi4.w};
-      __nv_bfloat16 part[8];
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const float hi = bf(x8[e]), mid = bf(x8[e] - hi);
-        part[e] = __float2bfloat16(g == 0 ? hi : g == 1 ? mid : (x8[e] - hi) - mid);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const __nv_bfloat162 two = __halves2bfloat162(part[2 * e], part[2 * e + 1]);
-        xa[j][e] = *reinterpret_cast<const uint32_t*>(&two);
-      }
-    }
+    xa[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (live_chunk[j] && g < 3) xa[j] = *reinterpret_cast<const uint4*>(m.xs + g * P.max_k + c0 + 32 * j);
   }
 
   // The stages: tiles of r output rows (gate/up: r gate rows, then r up rows) of k columns.
@@ -363,8 +359,8 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
 #pragma unroll
       for (int j = 0; j < GROUP; ++j) {
         if (32 * (j0 + j) >= share) break;
-        mma_bf16(d[0], xa[j0 + j][0], xa[j0 + j][1], w8[j].x, w8[j].y);
-        mma_bf16(d[1], xa[j0 + j][2], xa[j0 + j][3], w8[j].z, w8[j].w);
+        mma_bf16(d[0], xa[j0 + j].x, xa[j0 + j].y, w8[j].x, w8[j].y);
+        mma_bf16(d[1], xa[j0 + j].z, xa[j0 + j].w, w8[j].z, w8[j].w);
       }
     }
     __syncwarp();                                 // every lane's reads of the stage are done
@@ -416,8 +412,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
   Scratch m;
   m.red = reinterpret_cast<float*>(empty + S);
   m.sumsq = m.red + MAX_TILES * CONSUMER_WARPS * 8;
-  m.xs = m.sumsq + CONSUMER_WARPS;
-  m.stream = m.xs + P.max_k;
+  m.stream = m.sumsq + CONSUMER_WARPS;
+  m.xs = reinterpret_cast<__nv_bfloat16*>(m.stream + P.prod[1].n);
   const bool stamps = P.timeline != nullptr;
 
   Block b;
@@ -491,7 +487,8 @@ extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers,
   p.flags = flags;
   p.timeline = timeline;
   const size_t smem = static_cast<size_t>(num_stages) * (STAGE_BYTES + 16) +
-                      sizeof(float) * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + p.max_k + p.prod[1].n);
+                      sizeof(float) * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + p.prod[1].n) +
+                      sizeof(__nv_bfloat16) * 3 * p.max_k;
   cudaError_t err = cudaFuncSetAttribute(gemv_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err != cudaSuccess) return static_cast<int>(err);

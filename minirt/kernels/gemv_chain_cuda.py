@@ -261,10 +261,10 @@ def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
 
 
 def shared_bytes(num_stages: int, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
-    """Dynamic shared memory of a launch: the ring and its barriers, the warp sums and sums of squares, the input
-    and the stream (float32)."""
-    return (num_stages * (stage_bytes + BARRIER_BYTES)
-            + 4 * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + max(hidden, k_o, inter) + hidden))
+    """Dynamic shared memory of a launch: the ring and its barriers, the warp sums and sums of squares, the stream
+    (float32) and the input (three bf16 parts)."""
+    return (num_stages * (stage_bytes + BARRIER_BYTES) + 4 * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + hidden)
+            + 2 * 3 * max(hidden, k_o, inter))
 
 
 def max_stages(device: torch.device, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
