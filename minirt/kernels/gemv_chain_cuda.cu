@@ -341,22 +341,12 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   const int tile_row = p == 2 ? (g & (r - 1)) : g;   // the lane's output row in its tile (gate/up: in its half)
   const bool in_tile = g < (p == 2 ? 2 * r : r);
   const int offset = g * k + c0;                      // its first weight in a stage, in bf16 elements
-  // Tile t's rows 2q and 2q + 1 of A's row g: the three parts added (lanes q, q + 4, q + 8) in a fixed order, once
-  // the next tile's first loads are in flight.
-  auto finish = [&](int t, float y0, float y1) {
-    y0 += __shfl_xor_sync(0xffffffffu, y0, 4);
-    y1 += __shfl_xor_sync(0xffffffffu, y1, 4);
-    y0 += __shfl_xor_sync(0xffffffffu, y0, 8);
-    y1 += __shfl_xor_sync(0xffffffffu, y1, 8);
-    if (g == 0) *reinterpret_cast<float2*>(m.red + (t * CONSUMER_WARPS + warp) * 8 + 2 * q) = make_float2(y0, y1);
-  };
-  float pending[2] = {0.f, 0.f};
   for (int t = 0, r0 = 0; r0 < rows; ++t, r0 += r) {
     if (stream_on) mbar_wait(&full[b.stage], b.phase);
     if (stamps && tid == 0 && t == 0) stamp(P, epoch, 3);
     const bool live = in_tile && tile_row < rows - r0 && dots;
     const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(ring + b.stage * STAGE_BYTES) + offset;
-    float d[4][4] = {};                            // four chains of D: a chunk's two products, even and odd chunks
+    float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};   // two chains of D
 #pragma unroll
     for (int j0 = 0; j0 < MAX_CHUNKS; j0 += GROUP) {  // GROUP chunks' loads in flight, then their products
       if (32 * j0 >= share) break;                  // the warp's chunks (the same for all its lanes)
@@ -366,21 +356,24 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
         w8[j] = make_uint4(0u, 0u, 0u, 0u);
         if (live && live_chunk[j0 + j]) w8[j] = *reinterpret_cast<const uint4*>(w + 32 * (j0 + j));
       }
-      if (j0 == 0 && t > 0) finish(t - 1, pending[0], pending[1]);
 #pragma unroll
       for (int j = 0; j < GROUP; ++j) {
         if (32 * (j0 + j) >= share) break;
-        mma_bf16(d[2 * (j & 1)], xa[j0 + j].x, xa[j0 + j].y, w8[j].x, w8[j].y);
-        mma_bf16(d[2 * (j & 1) + 1], xa[j0 + j].z, xa[j0 + j].w, w8[j].z, w8[j].w);
+        mma_bf16(d[0], xa[j0 + j].x, xa[j0 + j].y, w8[j].x, w8[j].y);
+        mma_bf16(d[1], xa[j0 + j].z, xa[j0 + j].w, w8[j].z, w8[j].w);
       }
     }
     __syncwarp();                                 // every lane's reads of the stage are done
     if (lane == 0 && stream_on) mbar_arrive(&empty[b.stage]);
     next_stage(b, P.num_stages);
-    pending[0] = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]);
-    pending[1] = (d[0][1] + d[1][1]) + (d[2][1] + d[3][1]);
+    // Tile rows 2q and 2q + 1 of A's row g: add the three parts (lanes q, q + 4, q + 8) in a fixed order.
+    float y0 = d[0][0] + d[1][0], y1 = d[0][1] + d[1][1];
+    y0 += __shfl_xor_sync(0xffffffffu, y0, 4);
+    y1 += __shfl_xor_sync(0xffffffffu, y1, 4);
+    y0 += __shfl_xor_sync(0xffffffffu, y0, 8);
+    y1 += __shfl_xor_sync(0xffffffffu, y1, 8);
+    if (g == 0) *reinterpret_cast<float2*>(m.red + (t * CONSUMER_WARPS + warp) * 8 + 2 * q) = make_float2(y0, y1);
   }
-  if (rows > 0) finish((rows - 1) >> pr.rows_log2, pending[0], pending[1]);
   consumer_sync();
   if (stamps && tid == 0) stamp(P, epoch, 4);
 
