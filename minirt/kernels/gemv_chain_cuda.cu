@@ -7,13 +7,12 @@
 //   - a producer warp streams them, tile after tile, layer after layer, into a ring of shared-memory stages with
 //     the bulk-copy engine (`cp.async.bulk`, completing on an mbarrier per stage); it waits only for a free stage,
 //     never for activations, so the memory keeps streaming while the other warps wait for the rest of the grid;
-//   - eight consumer warps each multiply an eighth of the columns of every row of a tile on the tensor cores
+//   - eight consumer warps load the previous product's output as it arrives, each thread its columns, into shared
+//     memory (with the norm's prologue; the residual stream stays in shared memory from layer to layer), then take
+//     the stages as they fill: each warp an eighth of the columns of every row of a tile, on the tensor cores
 //     (mma.sync with x split into three bf16 parts that add up to it, so that the float32 products and sums are
-//     those of FMAs in another order); so a warp needs only its own columns of the previous product's output: it
-//     polls them as they arrive, applies the norm's prologue to them (the residual stream stays in shared memory
-//     from layer to layer, each warp its columns), and takes the stages as they fill, without waiting for the
-//     other warps; the epilogue adds a row's eight warp sums in a fixed order (the same bits on every run), scales
-//     it by the norm's rstd (the warps' sums of squares added) and writes the row.
+//     those of FMAs in another order); the epilogue adds a row's eight warp sums in a fixed order (the same bits on
+//     every run) and writes the row.
 // No grid barrier: each output row is also written as a 32-bit word with the product's number in its upper half
 // and the bf16 in its lower (NCCL's "LL" protocol: one store carries the value and its flag, so a reader that sees
 // the flag has the value, with no fence), and the next product's readers poll their own words. Even and odd layers
@@ -46,8 +45,8 @@ constexpr int STAGE_BYTES = MINIRT_STAGE_BYTES;  // one ring stage (gemv_chain_c
 constexpr int MAX_CHUNKS = 12;                   // a warp's share of a row: at most 12 x 32 columns
 constexpr int GROUP = 4;                         // chunks whose weights a lane loads before their products
 constexpr int MAX_TILES = 16;                    // stage tiles per block per product (the warp sums' buffer)
-constexpr int MAX_X_VECS = 3;                    // a warp's share of a product's input: at most 3 x 4 x 32 columns
-static_assert(MAX_X_VECS * 4 * 32 >= MAX_CHUNKS * 32, "the widest share the tiles allow");
+constexpr int MAX_X_VECS = 3;                    // a product's input: at most 3 x 4 x CONSUMERS columns
+static_assert(MAX_X_VECS * 4 * CONSUMERS >= CONSUMER_WARPS * MAX_CHUNKS * 32, "the widest row the tiles allow");
 // Params::flags, for benchmarks/gemv.py's breakdown of the time (each leaves a part out; results are then wrong)
 constexpr int SKIP_BARRIERS = 1, SKIP_PROLOGUE = 2, SKIP_DOTS = 4, SKIP_STREAM = 8;
 // Params::timeline: per block and product, the SM's clock when thread 0 starts the product, has its own input
@@ -206,7 +205,7 @@ __device__ __forceinline__ void produce(const Params& P, Block& b, const __nv_bf
 // The block's shared memory beside the ring: the warp sums, this product's input (the norm's weight applied), the
 // residual stream (exact bf16 values, as float) and each warp's sum of squares.
 struct Scratch {
-  float* red;      // [2][MAX_TILES][CONSUMER_WARPS][8]: each warp's sums of a tile's rows (odd products: the second)
+  float* red;      // [MAX_TILES][CONSUMER_WARPS][8]: each warp's sums of a tile's rows
   __nv_bfloat16* xs;   // [3][max k]: this product's input in three parts (hi, mid, lo)
   float* stream;   // [hidden]
   float* sumsq;    // [CONSUMER_WARPS]
@@ -224,24 +223,20 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   const bool first = p == 0 && l == 0;                 // the caller's x and residual: not written in this launch
   const bool stream_on = !(P.flags & SKIP_STREAM), dots = !(P.flags & SKIP_DOTS);
 
-  // Each warp multiplies its own eighth of the columns (share) of every row, so it loads, polls and splits only
-  // those: no warp waits for another before its stages, and a warp waits only for the blocks that wrote its columns.
-  const int share = k / CONSUMER_WARPS;
-  const int cw = warp * share;                         // the warp's first column
   // The norm's weight does not depend on the previous product: loaded first.
   uint2 gv[MAX_X_VECS];
   if (norm) {
     const __nv_bfloat16* g = reinterpret_cast<const __nv_bfloat16*>(P.layers[l * 6 + (p == 0 ? 4 : 5)]);
 #pragma unroll
     for (int i = 0; i < MAX_X_VECS; ++i) {
-      const int c = (lane + 32 * i) * 4;
-      if (c < share) gv[i] = *reinterpret_cast<const uint2*>(g + cw + c);
+      const int c = (tid + i * CONSUMERS) * 4;
+      if (c < k) gv[i] = *reinterpret_cast<const uint2*>(g + c);
     }
   }
   if (stamps && tid == 0) stamp(P, epoch, 0);
 
-  // Input: each lane 4 of the warp's columns at a time, every load issued before the first is polled again (one
-  // round trip to L2 when the words are there).
+  // Input: each thread 4 columns at a time, every load issued before the first is polled again (one round trip to
+  // L2 when the words are there).
   float sq = 0.f;
   if (!(P.flags & SKIP_PROLOGUE)) {
     uint4 xv[MAX_X_VECS];
@@ -250,8 +245,8 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
     const bool poll = !first && !(P.flags & SKIP_BARRIERS);
 #pragma unroll
     for (int i = 0; i < MAX_X_VECS; ++i) {
-      const int c = cw + (lane + 32 * i) * 4;
-      if (c >= cw + share) continue;
+      const int c = (tid + i * CONSUMERS) * 4;
+      if (c >= k) continue;
       if (first) {
         const uint2 x2 = *reinterpret_cast<const uint2*>(P.x + c);     // as flagged words, flag left out
         xv[i] = make_uint4(x2.x & 0xffffu, x2.x >> 16, x2.y & 0xffffu, x2.y >> 16);
@@ -262,15 +257,15 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
     }
 #pragma unroll
     for (int i = 0; i < MAX_X_VECS; ++i) {
-      const int c = cw + (lane + 32 * i) * 4;
-      if (c < cw + share && poll)
+      const int c = (tid + i * CONSUMERS) * 4;
+      if (c < k && poll)
         while (!flagged(xv[i], epoch)) xv[i] = load_flagged(in + c);
     }
     if (stamps && tid == 0) stamp(P, epoch, 1);
 #pragma unroll
     for (int i = 0; i < MAX_X_VECS; ++i) {
-      const int c = cw + (lane + 32 * i) * 4;
-      if (c >= cw + share) continue;
+      const int c = (tid + i * CONSUMERS) * 4;
+      if (c >= k) continue;
       float4 v = make_float4(__uint_as_float(xv[i].x << 16), __uint_as_float(xv[i].y << 16),
                              __uint_as_float(xv[i].z << 16), __uint_as_float(xv[i].w << 16));
       if (norm) {
@@ -313,7 +308,14 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
       if (lane == 0) m.sumsq[warp] = sq;
     }
   }
-  __syncwarp();                                        // the warp's parts are in shared memory
+  consumer_sync();
+  float rstd = 1.f;
+  if (norm) {
+    float total = 0.f;
+#pragma unroll
+    for (int q = 0; q < CONSUMER_WARPS; ++q) total += m.sumsq[q];
+    rstd = rsqrtf(total / k + P.eps);
+  }
   if (stamps && tid == 0) stamp(P, epoch, 2);
 
   // The stages on the tensor cores: each warp a share of k (k / 8 columns) of every row of a tile, in chunks of 32
@@ -322,7 +324,8 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   // A's first three rows (the other 13 zero). The products are exact in float32 and D's float32 sums add them, so
   // the arithmetic is that of float32 FMAs with the sums in another order.
   const int g = lane / 4, q = lane % 4;               // A's row and B's column (the split part, the tile row)
-  const int c0 = cw + 8 * q;                          // the lane's first column of each chunk: c0 + 32 j
+  const int share = k / CONSUMER_WARPS;
+  const int c0 = warp * share + 8 * q;                // the lane's first column of each chunk: c0 + 32 j
   bool live_chunk[MAX_CHUNKS];
   uint4 xa[MAX_CHUNKS];                               // A for the chunk's two products: (x0 x1)(x2 x3), (x4 x5)(x6 x7)
 #pragma unroll
@@ -338,8 +341,6 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   const int tile_row = p == 2 ? (g & (r - 1)) : g;   // the lane's output row in its tile (gate/up: in its half)
   const bool in_tile = g < (p == 2 ? 2 * r : r);
   const int offset = g * k + c0;                      // its first weight in a stage, in bf16 elements
-  // A product's warp sums: a warp can start the next product's stages while slower threads still read this one's.
-  float* red = m.red + (p & 1) * MAX_TILES * CONSUMER_WARPS * 8;
   for (int t = 0, r0 = 0; r0 < rows; ++t, r0 += r) {
     if (stream_on) mbar_wait(&full[b.stage], b.phase);
     if (stamps && tid == 0 && t == 0) stamp(P, epoch, 3);
@@ -371,22 +372,15 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
     y1 += __shfl_xor_sync(0xffffffffu, y1, 4);
     y0 += __shfl_xor_sync(0xffffffffu, y0, 8);
     y1 += __shfl_xor_sync(0xffffffffu, y1, 8);
-    if (g == 0) *reinterpret_cast<float2*>(red + (t * CONSUMER_WARPS + warp) * 8 + 2 * q) = make_float2(y0, y1);
+    if (g == 0) *reinterpret_cast<float2*>(m.red + (t * CONSUMER_WARPS + warp) * 8 + 2 * q) = make_float2(y0, y1);
   }
   consumer_sync();
   if (stamps && tid == 0) stamp(P, epoch, 4);
-  float rstd = 1.f;
-  if (norm) {
-    float total = 0.f;
-#pragma unroll
-    for (int w = 0; w < CONSUMER_WARPS; ++w) total += m.sumsq[w];
-    rstd = rsqrtf(total / k + P.eps);
-  }
 
   // Epilogue: one thread per output row of the block, its warps' sums in a fixed order; the row goes out as is and
   // as a flagged word for the next product's readers.
   if (tid < rows) {
-    const float* part = red + (tid >> pr.rows_log2) * CONSUMER_WARPS * 8;
+    const float* part = m.red + (tid >> pr.rows_log2) * CONSUMER_WARPS * 8;
     const int j = tid & (r - 1);
     float y = 0.f;
 #pragma unroll
@@ -417,7 +411,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
   uint64_t* empty = full + S;                                                   // S
   Scratch m;
   m.red = reinterpret_cast<float*>(empty + S);
-  m.sumsq = m.red + 2 * MAX_TILES * CONSUMER_WARPS * 8;
+  m.sumsq = m.red + MAX_TILES * CONSUMER_WARPS * 8;
   m.stream = m.sumsq + CONSUMER_WARPS;
   m.xs = reinterpret_cast<__nv_bfloat16*>(m.stream + P.prod[1].n);
   const bool stamps = P.timeline != nullptr;
@@ -493,7 +487,7 @@ extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers,
   p.flags = flags;
   p.timeline = timeline;
   const size_t smem = static_cast<size_t>(num_stages) * (STAGE_BYTES + 16) +
-                      sizeof(float) * (2 * MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + p.prod[1].n) +
+                      sizeof(float) * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + p.prod[1].n) +
                       sizeof(__nv_bfloat16) * 3 * p.max_k;
   cudaError_t err = cudaFuncSetAttribute(gemv_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));

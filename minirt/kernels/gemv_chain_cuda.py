@@ -6,14 +6,12 @@ was slower than the four kernels with PDL (19.8 against 13.4 us per layer, `benc
 barrier every program starts its loads from nothing. Here (`gemv_chain_cuda.cu`, CUDA C++, built on first use by
 nvcc into a shared library that ctypes loads) one block per SM runs every layer of the chain; each block owns fixed
 output rows of each product, and a producer warp streams all of its weights, layer after layer, through a ring of
-shared-memory stages with the bulk-copy engine, waiting only for a free stage. Each of eight consumer warps
-multiplies an eighth of the columns of every row on the tensor cores, so it needs only its own columns of the
-previous product's output: it polls them as they arrive (each row is written with the product's number beside it
-in one 32-bit word, NCCL's "LL" protocol, so there is no grid barrier), then finds its tiles already loaded. The
-memory can stream through the waits; what remains per product is the latency of the output's way through L2 and of
-the epilogue (Hazy Research's Llama-1B megakernel, 2025, and the warp-specialized pipelines of CUTLASS's Hopper
-kernels work so). `benchmarks/README.md` (issue 23, sessions 7 and 8) has the figures against the four kernels with
-PDL, a breakdown by part (`skip`) and per-block timelines (`timeline`).
+shared-memory stages with the bulk-copy engine, waiting only for a free stage. Eight consumer warps load the
+previous product's output as its words arrive (each row is written with the product's number beside it, NCCL's
+"LL" protocol, so no grid barrier), then find their tiles already loaded. The memory can stream through the waits;
+what remains per product is the latency of the output's way through L2 and of the epilogue (Hazy Research's
+Llama-1B megakernel, 2025, and the warp-specialized pipelines of CUTLASS's Hopper kernels work so). `benchmarks/README.md` (issue 23, sessions 7 and 8) has the figures
+against the four kernels with PDL, a breakdown by part (`skip`) and per-block timelines (`timeline`).
 
 Per layer (bf16; the stream s0 of layer 0 is `residual`, or x itself when None; later layers' is the layer before's
 s2, kept in each block's shared memory):
@@ -263,10 +261,9 @@ def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
 
 
 def shared_bytes(num_stages: int, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
-    """Dynamic shared memory of a launch: the ring and its barriers, two products' warp sums, the sums of squares,
-    the stream (float32) and the input (three bf16 parts)."""
-    warp_sums = 2 * MAX_TILES * CONSUMER_WARPS * 8
-    return (num_stages * (stage_bytes + BARRIER_BYTES) + 4 * (warp_sums + CONSUMER_WARPS + hidden)
+    """Dynamic shared memory of a launch: the ring and its barriers, the warp sums and sums of squares, the stream
+    (float32) and the input (three bf16 parts)."""
+    return (num_stages * (stage_bytes + BARRIER_BYTES) + 4 * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + hidden)
             + 2 * 3 * max(hidden, k_o, inter))
 
 
