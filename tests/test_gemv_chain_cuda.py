@@ -182,10 +182,10 @@ def assert_products_rounded_from_their_inputs(got, layer):
 
 
 @needs_kernel
-@pytest.mark.parametrize("shape,num_stages,stage_bytes", [(QWEN3, 8, 16384), (QWEN3, 9, 16384),
+@pytest.mark.parametrize("shape,num_stages,stage_bytes", [(QWEN3, 2, 16384), (QWEN3, 5, 16384),
                                                           (QWEN3, None, 16384), (QWEN3, None, 8192),
-                                                          (TINY, 8, 8192)],
-                         ids=["qwen3-8", "qwen3-9", "qwen3-deepest", "qwen3-deepest-8192", "tiny-8-of-8192"])
+                                                          (TINY, 2, 8192)],
+                         ids=["qwen3-2", "qwen3-5", "qwen3-deepest", "qwen3-deepest-8192", "tiny-2-of-8192"])
 def test_chain_is_deterministic_at_any_ring_depth(shape, num_stages, stage_bytes):
     """Same inputs, same bits from run to run, whatever the ring and its stages (a race would move the error
     between runs); the stage size moves the sums' order (rows per tile), so each is its own baseline, near
@@ -315,8 +315,7 @@ def test_the_launch_gets_each_argument_and_a_zeroed_counter(fake_launch):
     (lambda a, new: a.update(x=FakeTensor(1, 1024, ptr=a["x"].ptr + 8)), "^x: .*16-byte"),
     (lambda a, new: a.update(residual=new(1, 2048)), "^residual: "),
     (lambda a, new: a.update(grid=133), "^grid: 1 to 132"),
-    (lambda a, new: a.update(num_stages=13), "^num_stages: 8 .* to 12"),
-    (lambda a, new: a.update(num_stages=7), "^num_stages: 8 "),
+    (lambda a, new: a.update(num_stages=13), "^num_stages: 2 to 12"),
     (lambda a, new: a.update(skip=64), "^skip: "),
     (lambda a, new: a.update(sync=new(C.sync_words(1024, 4096, 3072) - 1, dtype=torch.int32)), "^sync: "),
     (lambda a, new: a.update(timeline=new(132, 12, 7, dtype=torch.int64)), "^timeline: "),
@@ -326,8 +325,7 @@ def test_the_launch_gets_each_argument_and_a_zeroed_counter(fake_launch):
     (lambda a, new: a.update(outputs=a["outputs"]._replace(out=FakeTensor(1, 1024, ptr=a["x"].ptr))),
      "^out: overlaps x"),
 ], ids=["table-of-other-layers", "layer-dtype", "k_o-past-qkv", "device", "x-unaligned", "residual-shape", "grid",
-        "num_stages", "num_stages-too-few", "skip", "sync-size", "timeline-shape", "output-shape", "outputs-overlap",
-        "output-on-x"])
+        "num_stages", "skip", "sync-size", "timeline-shape", "output-shape", "outputs-overlap", "output-on-x"])
 def test_the_launch_refuses_by_name(fake_launch, change, message):
     calls, args, new = fake_launch
     change(args, new)

@@ -44,6 +44,7 @@ constexpr int THREADS = CONSUMERS + 32;          // + the producer warp
 constexpr int STAGE_BYTES = MINIRT_STAGE_BYTES;  // one ring stage (gemv_chain_cuda.py builds a library per size)
 constexpr int MAX_CHUNKS = 12;                   // a warp's share of a row: at most 12 x 32 columns
 constexpr int GROUP = 4;                         // chunks whose weights a lane loads before their products
+constexpr int MAX_TILES = 16;                    // stage tiles per block per product (the warp sums' buffer)
 constexpr int MAX_X_VECS = 3;                    // a product's input: at most 3 x 4 x CONSUMERS columns
 static_assert(MAX_X_VECS * 4 * CONSUMERS >= CONSUMER_WARPS * MAX_CHUNKS * 32, "the widest row the tiles allow");
 // Params::flags, for benchmarks/gemv.py's breakdown of the time (each leaves a part out; results are then wrong)
@@ -201,16 +202,16 @@ __device__ __forceinline__ void produce(const Params& P, Block& b, const __nv_bf
   }
 }
 
-// The block's shared memory beside the ring: this product's input (the norm's weight applied), the residual stream
-// (exact bf16 values, as float) and each warp's sum of squares.
+// The block's shared memory beside the ring: the warp sums, this product's input (the norm's weight applied), the
+// residual stream (exact bf16 values, as float) and each warp's sum of squares.
 struct Scratch {
+  float* red;      // [MAX_TILES][CONSUMER_WARPS][8]: each warp's sums of a tile's rows
   __nv_bfloat16* xs;   // [3][max k]: this product's input in three parts (hi, mid, lo)
-  float* stream;       // [hidden]
-  float* sumsq;        // [CONSUMER_WARPS]
+  float* stream;   // [hidden]
+  float* sumsq;    // [CONSUMER_WARPS]
 };
 
-// The consumers' part of product p of layer l: the input (every thread some columns, into shared memory), then
-// each warp its own tiles, whole, with their epilogue.
+// The consumers' part of product p of layer l: input, stages, epilogue.
 template <int p>
 __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch& m, int l, unsigned char* ring,
                                         uint64_t* full, uint64_t* empty, bool stamps) {
@@ -237,10 +238,9 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   // Input: each thread 4 columns at a time, every load issued before the first is polled again (one round trip to
   // L2 when the words are there).
   float sq = 0.f;
-  uint4 xv[MAX_X_VECS];
-  uint2 rv[MAX_X_VECS];
-  const bool prologue = !(P.flags & SKIP_PROLOGUE);
-  if (prologue) {
+  if (!(P.flags & SKIP_PROLOGUE)) {
+    uint4 xv[MAX_X_VECS];
+    uint2 rv[MAX_X_VECS];
     const uint32_t* in = P.ll[p == 0 ? 3 : p - 1] + (((p == 0 ? l - 1 : l) & 1) ? P.ll_odd : 0);
     const bool poll = !first && !(P.flags & SKIP_BARRIERS);
 #pragma unroll
@@ -261,10 +261,7 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
       if (c < k && poll)
         while (!flagged(xv[i], epoch)) xv[i] = load_flagged(in + c);
     }
-  }
-  if (stamps && tid == 0) stamp(P, epoch, 1);
-  consumer_sync();                                     // every warp is through the previous product's tiles
-  if (prologue) {
+    if (stamps && tid == 0) stamp(P, epoch, 1);
 #pragma unroll
     for (int i = 0; i < MAX_X_VECS; ++i) {
       const int c = (tid + i * CONSUMERS) * 4;
@@ -316,93 +313,92 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   if (norm) {
     float total = 0.f;
 #pragma unroll
-    for (int w = 0; w < CONSUMER_WARPS; ++w) total += m.sumsq[w];
+    for (int q = 0; q < CONSUMER_WARPS; ++q) total += m.sumsq[q];
     rstd = rsqrtf(total / k + P.eps);
   }
   if (stamps && tid == 0) stamp(P, epoch, 2);
 
-  // The tiles on the tensor cores, warp w taking tiles w, w + 8, ... whole: per 32 columns two m16n8k16 products
-  // D += A B with the tile's rows as B's 8 columns (a lane loads 8 weights of row lane / 4) and x, split into three
-  // bf16 parts that add up to it exactly, as A's first three rows (the other 13 zero). The products are exact in
-  // float32 and D's float32 sums add them, so the arithmetic is that of float32 FMAs with the sums in another order.
+  // The stages on the tensor cores: each warp a share of k (k / 8 columns) of every row of a tile, in chunks of 32
+  // columns, each chunk two m16n8k16 products D += A B with the tile's rows as B's 8 columns (a lane loads 8
+  // weights of row lane / 4) and x, split into three bf16 parts that add up to it exactly (x = hi + mid + lo), as
+  // A's first three rows (the other 13 zero). The products are exact in float32 and D's float32 sums add them, so
+  // the arithmetic is that of float32 FMAs with the sums in another order.
   const int g = lane / 4, q = lane % 4;               // A's row and B's column (the split part, the tile row)
+  const int share = k / CONSUMER_WARPS;
+  const int c0 = warp * share + 8 * q;                // the lane's first column of each chunk: c0 + 32 j
+  bool live_chunk[MAX_CHUNKS];
+  uint4 xa[MAX_CHUNKS];                               // A for the chunk's two products: (x0 x1)(x2 x3), (x4 x5)(x6 x7)
+#pragma unroll
+  for (int j = 0; j < MAX_CHUNKS; ++j) {
+    live_chunk[j] = 32 * j + 8 * q < share;
+    xa[j] = make_uint4(0u, 0u, 0u, 0u);
+    if (live_chunk[j] && g < 3) xa[j] = *reinterpret_cast<const uint4*>(m.xs + g * P.max_k + c0 + 32 * j);
+  }
+
+  // The stages: tiles of r output rows (gate/up: r gate rows, then r up rows) of k columns.
   const int r = 1 << pr.rows_log2;
   const int rows = b.hi[p] - b.lo[p];
-  const int tiles = (rows + r - 1) >> pr.rows_log2;
   const int tile_row = p == 2 ? (g & (r - 1)) : g;   // the lane's output row in its tile (gate/up: in its half)
   const bool in_tile = g < (p == 2 ? 2 * r : r);
-  const __nv_bfloat16* xpart = m.xs + (g < 3 ? g : 0) * P.max_k + 8 * q;
-  // A warp waits on a stage's mbarrier by parity alone, so the stage's fill before must be done: with at least
-  // CONSUMER_WARPS stages (gemv_chain_cuda.py checks) it belongs to a tile before the warp's last one, and the
-  // producer fills tiles in order.
-  for (int t = warp; t < tiles; t += CONSUMER_WARPS) {
-    uint32_t stage = b.stage + t, phase = b.phase;    // the tile's place in the ring
-    while (stage >= static_cast<uint32_t>(P.num_stages)) {
-      stage -= P.num_stages;
-      phase ^= 1;
-    }
-    if (stream_on) mbar_wait(&full[stage], phase);
+  const int offset = g * k + c0;                      // its first weight in a stage, in bf16 elements
+  for (int t = 0, r0 = 0; r0 < rows; ++t, r0 += r) {
+    if (stream_on) mbar_wait(&full[b.stage], b.phase);
     if (stamps && tid == 0 && t == 0) stamp(P, epoch, 3);
-    const int r0 = t * r;
     const bool live = in_tile && tile_row < rows - r0 && dots;
-    const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(ring + stage * STAGE_BYTES) + g * k + 8 * q;
-    float d[4][4] = {};                                // four chains of D
-    for (int c = 0; c < k; c += 32 * GROUP) {          // GROUP chunks' loads in flight, then their products
-      uint4 w8[GROUP], xa[GROUP];
+    const __nv_bfloat16* w = reinterpret_cast<const __nv_bfloat16*>(ring + b.stage * STAGE_BYTES) + offset;
+    float d[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};   // two chains of D
+#pragma unroll
+    for (int j0 = 0; j0 < MAX_CHUNKS; j0 += GROUP) {  // GROUP chunks' loads in flight, then their products
+      if (32 * j0 >= share) break;                  // the warp's chunks (the same for all its lanes)
+      uint4 w8[GROUP];
 #pragma unroll
       for (int j = 0; j < GROUP; ++j) {
-        const bool here = c + 32 * j + 8 * q < k;
-        w8[j] = live && here ? *reinterpret_cast<const uint4*>(w + c + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
-        xa[j] = g < 3 && here ? *reinterpret_cast<const uint4*>(xpart + c + 32 * j) : make_uint4(0u, 0u, 0u, 0u);
+        w8[j] = make_uint4(0u, 0u, 0u, 0u);
+        if (live && live_chunk[j0 + j]) w8[j] = *reinterpret_cast<const uint4*>(w + 32 * (j0 + j));
       }
 #pragma unroll
       for (int j = 0; j < GROUP; ++j) {
-        mma_bf16(d[(j & 1) * 2], xa[j].x, xa[j].y, w8[j].x, w8[j].y);
-        mma_bf16(d[(j & 1) * 2 + 1], xa[j].z, xa[j].w, w8[j].z, w8[j].w);
+        if (32 * (j0 + j) >= share) break;
+        mma_bf16(d[0], xa[j0 + j].x, xa[j0 + j].y, w8[j].x, w8[j].y);
+        mma_bf16(d[1], xa[j0 + j].z, xa[j0 + j].w, w8[j].z, w8[j].w);
       }
     }
-    __syncwarp();                                      // every lane's reads of the stage are done
-    if (lane == 0 && stream_on) mbar_arrive(&empty[stage]);
-    // Tile rows 2q and 2q + 1 of A's row g: the chains, then the three parts (lanes q, q + 4, q + 8), added in a
-    // fixed order (the same bits on every run).
-    float y0 = (d[0][0] + d[1][0]) + (d[2][0] + d[3][0]);
-    float y1 = (d[0][1] + d[1][1]) + (d[2][1] + d[3][1]);
+    __syncwarp();                                 // every lane's reads of the stage are done
+    if (lane == 0 && stream_on) mbar_arrive(&empty[b.stage]);
+    next_stage(b, P.num_stages);
+    // Tile rows 2q and 2q + 1 of A's row g: add the three parts (lanes q, q + 4, q + 8) in a fixed order.
+    float y0 = d[0][0] + d[1][0], y1 = d[0][1] + d[1][1];
     y0 += __shfl_xor_sync(0xffffffffu, y0, 4);
     y1 += __shfl_xor_sync(0xffffffffu, y1, 4);
     y0 += __shfl_xor_sync(0xffffffffu, y0, 8);
     y1 += __shfl_xor_sync(0xffffffffu, y1, 8);
-    // The epilogue, in the warp: lane q < 4 holds tile rows 2q and 2q + 1 (gate/up: gate row j's up row r + j is
-    // r / 2 lanes further, or lane 0's second row when r = 1).
-    float u0 = 0.f, u1 = 0.f;
-    if (p == 2) {
-      u0 = r == 1 ? y1 : __shfl_sync(0xffffffffu, y0, (lane + r / 2) & 31);
-      u1 = __shfl_sync(0xffffffffu, y1, (lane + r / 2) & 31);
-    }
-    if (lane < 4) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int j = 2 * lane + e;                    // the tile row
-        if (j >= r || j >= rows - r0 || (p == 2 && r == 1 && e == 1)) continue;
-        float y = (e ? y1 : y0) * rstd;
-        __nv_bfloat16 v;
-        if (p == 2) {
-          const float gate = bf(y), up = bf((e ? u1 : u0) * rstd);
-          v = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
-        } else {
-          v = __float2bfloat16(y);
-        }
-        const int o_row = b.lo[p] + r0 + j;
-        (p == 0 ? P.qkv : p == 1 ? P.o : p == 2 ? P.act : P.out)[o_row] = v;
-        store_flagged(P.ll[p] + ((l & 1) ? P.ll_odd : 0) + o_row, v, epoch + 1);
-      }
-    }
-    if (stamps && tid == 0) stamp(P, epoch, 4);
+    if (g == 0) *reinterpret_cast<float2*>(m.red + (t * CONSUMER_WARPS + warp) * 8 + 2 * q) = make_float2(y0, y1);
   }
-  // Every thread moves the ring on by the product's tiles.
-  b.stage += tiles;
-  while (b.stage >= static_cast<uint32_t>(P.num_stages)) {
-    b.stage -= P.num_stages;
-    b.phase ^= 1;
+  consumer_sync();
+  if (stamps && tid == 0) stamp(P, epoch, 4);
+
+  // Epilogue: one thread per output row of the block, its warps' sums in a fixed order; the row goes out as is and
+  // as a flagged word for the next product's readers.
+  if (tid < rows) {
+    const float* part = m.red + (tid >> pr.rows_log2) * CONSUMER_WARPS * 8;
+    const int j = tid & (r - 1);
+    float y = 0.f;
+#pragma unroll
+    for (int w = 0; w < CONSUMER_WARPS; ++w) y += part[w * 8 + j];
+    __nv_bfloat16 v;
+    if (norm) y *= rstd;
+    if (p == 2) {
+      float u = 0.f;
+#pragma unroll
+      for (int w = 0; w < CONSUMER_WARPS; ++w) u += part[w * 8 + r + j];
+      const float gate = bf(y), up = bf(u * rstd);
+      v = __float2bfloat16(gate / (1.f + expf(-gate)) * up);
+    } else {
+      v = __float2bfloat16(y);
+    }
+    const int o_row = b.lo[p] + tid;
+    (p == 0 ? P.qkv : p == 1 ? P.o : p == 2 ? P.act : P.out)[o_row] = v;
+    store_flagged(P.ll[p] + ((l & 1) ? P.ll_odd : 0) + o_row, v, epoch + 1);
   }
   if (stamps && tid == 0) stamp(P, epoch, 5);
 }
@@ -414,7 +410,8 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
   uint64_t* full = reinterpret_cast<uint64_t*>(ring + S * STAGE_BYTES);         // S
   uint64_t* empty = full + S;                                                   // S
   Scratch m;
-  m.sumsq = reinterpret_cast<float*>(empty + S);
+  m.red = reinterpret_cast<float*>(empty + S);
+  m.sumsq = m.red + MAX_TILES * CONSUMER_WARPS * 8;
   m.stream = m.sumsq + CONSUMER_WARPS;
   m.xs = reinterpret_cast<__nv_bfloat16*>(m.stream + P.prod[1].n);
   const bool stamps = P.timeline != nullptr;
@@ -427,7 +424,7 @@ __global__ void __launch_bounds__(THREADS, 1) gemv_chain_kernel(const Params P) 
   if (threadIdx.x == 0) {
     for (int s = 0; s < S; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 1);                      // one warp takes a tile
+      mbar_init(&empty[s], CONSUMER_WARPS);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
@@ -490,7 +487,7 @@ extern "C" int minirt_gemv_chain_launch(const long long* layers, int num_layers,
   p.flags = flags;
   p.timeline = timeline;
   const size_t smem = static_cast<size_t>(num_stages) * (STAGE_BYTES + 16) +
-                      sizeof(float) * (CONSUMER_WARPS + p.prod[1].n) +
+                      sizeof(float) * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + p.prod[1].n) +
                       sizeof(__nv_bfloat16) * 3 * p.max_k;
   cudaError_t err = cudaFuncSetAttribute(gemv_chain_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));

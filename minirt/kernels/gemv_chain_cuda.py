@@ -261,9 +261,9 @@ def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
 
 
 def shared_bytes(num_stages: int, hidden: int, k_o: int, inter: int, stage_bytes: int = STAGE_BYTES) -> int:
-    """Dynamic shared memory of a launch: the ring and its barriers, the warps' sums of squares, the stream
+    """Dynamic shared memory of a launch: the ring and its barriers, the warp sums and sums of squares, the stream
     (float32) and the input (three bf16 parts)."""
-    return (num_stages * (stage_bytes + BARRIER_BYTES) + 4 * (CONSUMER_WARPS + hidden)
+    return (num_stages * (stage_bytes + BARRIER_BYTES) + 4 * (MAX_TILES * CONSUMER_WARPS * 8 + CONSUMER_WARPS + hidden)
             + 2 * 3 * max(hidden, k_o, inter))
 
 
@@ -331,9 +331,8 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
     plan = chain_plan(hidden, n_qkv, k_o, inter, grid, stage_bytes)
     most = max_stages(x.device, hidden, k_o, inter, stage_bytes)
     num_stages = most if num_stages is None else num_stages
-    if not CONSUMER_WARPS <= num_stages <= most:
-        raise ValueError(f"num_stages: {CONSUMER_WARPS} (one tile per consumer warp in flight) to {most} (what a "
-                         f"block's shared memory holds), got {num_stages}")
+    if not 2 <= num_stages <= most:
+        raise ValueError(f"num_stages: 2 to {most} stages fit a block's shared memory, got {num_stages}")
     if timeline is not None and (timeline.dtype != torch.int64 or timeline.device != x.device
                                  or not timeline.is_contiguous()
                                  or tuple(timeline.shape) != (grid, 4 * len(layers), len(TIMELINE_STAMPS))):
