@@ -324,8 +324,13 @@ def test_the_launch_gets_each_argument_and_a_zeroed_counter(fake_launch):
      "^qkv: overlaps act"),
     (lambda a, new: a.update(outputs=a["outputs"]._replace(out=FakeTensor(1, 1024, ptr=a["x"].ptr))),
      "^out: overlaps x"),
+    (lambda a, new: a.update(outputs=a["outputs"]._replace(o=FakeTensor(1, 1024, ptr=a["layers"][2][5].ptr))),
+     "^o: overlaps layer 2's g2"),
+    (lambda a, new: a.update(sync=FakeTensor(C.sync_words(1024, 4096, 3072), dtype=torch.int32,
+                                             ptr=a["layers"][1][0].ptr + 64)), "^sync: overlaps layer 1's W_qkv"),
 ], ids=["table-of-other-layers", "layer-dtype", "k_o-past-qkv", "device", "x-unaligned", "residual-shape", "grid",
-        "num_stages", "skip", "sync-size", "timeline-shape", "output-shape", "outputs-overlap", "output-on-x"])
+        "num_stages", "skip", "sync-size", "timeline-shape", "output-shape", "outputs-overlap", "output-on-x",
+        "output-on-a-weight", "sync-on-a-weight"])
 def test_the_launch_refuses_by_name(fake_launch, change, message):
     calls, args, new = fake_launch
     change(args, new)

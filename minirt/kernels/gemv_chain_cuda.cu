@@ -10,15 +10,17 @@
 //   - eight consumer warps load the previous product's output as it arrives, each thread its columns, into shared
 //     memory (with the norm's prologue; the residual stream stays in shared memory from layer to layer), then take
 //     the stages as they fill: each warp an eighth of the columns of every row of a tile, on the tensor cores
-//     (mma.sync with x split into three bf16 parts that add up to it, so that the float32 products and sums are
-//     those of FMAs in another order); the epilogue adds a row's eight warp sums in a fixed order (the same bits on
-//     every run) and writes the row.
+//     (mma.sync with x split into three bf16 parts that add up to it: the products are exact, their float32 sums
+//     the tensor cores' own); the epilogue adds a row's eight warp sums in a fixed order (the same bits on every
+//     run) and writes the row.
 // No grid barrier: each output row is also written as a 32-bit word with the product's number in its upper half
 // and the bf16 in its lower (NCCL's "LL" protocol: one store carries the value and its flag, so a reader that sees
 // the flag has the value, with no fence), and the next product's readers poll their own words. Even and odd layers
 // write separate buffers: a block rewrites one two layers later only after it has read the whole of a later
 // gate/up output, which every block writes (each owns rows of it) after its last read of that buffer, so no reader
-// can miss a value.
+// can miss a value. (That order rests on relaxed accesses, block barriers and the polls' control dependences, as
+// NCCL's LL buffers do, not on a release/acquire pair at GPU scope, which the PTX memory model would need to
+// guarantee it: a fence.acq_rel.gpu before the gate/up stores and after their polls would.)
 // The scheme is Hazy Research's Llama-1B "megakernel" (2025: weights loaded ahead through a shared-memory pipeline
 // while instructions wait on counters) and the warp-specialized producer/consumer pipelines of CUTLASS's Hopper
 // kernels, cut down to this chain.
@@ -28,7 +30,8 @@
 //                 act, s2 = gemv(o, W_gate_up, norm g2, residual s1, silu_and_mul)
 //                 x       = gemv(act, W_down)
 // with `linear_gemv`'s arithmetic: the stream rounded to bf16, the norm applied as rstd * dot(w, g * s), gate and
-// up rounded to bf16 before silu(gate) * up, float32 accumulation; only the order of the sums differs.
+// up rounded to bf16 before silu(gate) * up, float32 accumulation; the sums differ in order and, inside each
+// tensor-core product, in rounding (its float32 additions align the terms to the largest and truncate).
 
 #include <cuda_bf16.h>
 #include <cstdint>
@@ -321,8 +324,9 @@ __device__ __forceinline__ void consume(const Params& P, Block& b, const Scratch
   // The stages on the tensor cores: each warp a share of k (k / 8 columns) of every row of a tile, in chunks of 32
   // columns, each chunk two m16n8k16 products D += A B with the tile's rows as B's 8 columns (a lane loads 8
   // weights of row lane / 4) and x, split into three bf16 parts that add up to it exactly (x = hi + mid + lo), as
-  // A's first three rows (the other 13 zero). The products are exact in float32 and D's float32 sums add them, so
-  // the arithmetic is that of float32 FMAs with the sums in another order.
+  // A's first three rows (the other 13 zero). The products are exact in float32; D adds them as the tensor cores
+  // do (the terms aligned to the largest and truncated), then the two chains and the three parts are added with
+  // ordinary float32 additions.
   const int g = lane / 4, q = lane % 4;               // A's row and B's column (the split part, the tile row)
   const int share = k / CONSUMER_WARPS;
   const int c0 = warp * share + 8 * q;                // the lane's first column of each chunk: c0 + 32 j

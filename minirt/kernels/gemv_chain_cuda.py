@@ -7,11 +7,13 @@ barrier every program starts its loads from nothing. Here (`gemv_chain_cuda.cu`,
 nvcc into a shared library that ctypes loads) one block per SM runs every layer of the chain; each block owns fixed
 output rows of each product, and a producer warp streams all of its weights, layer after layer, through a ring of
 shared-memory stages with the bulk-copy engine, waiting only for a free stage. Eight consumer warps load the
-previous product's output as its words arrive (each row is written with the product's number beside it, NCCL's
-"LL" protocol, so no grid barrier), then find their tiles already loaded. The memory can stream through the waits;
-what remains per product is the latency of the output's way through L2 and of the epilogue (Hazy Research's
-Llama-1B megakernel, 2025, and the warp-specialized pipelines of CUTLASS's Hopper kernels work so). `benchmarks/README.md` (issue 23, sessions 7 and 8) has the figures
-against the four kernels with PDL, a breakdown by part (`skip`) and per-block timelines (`timeline`).
+previous product's output as its words arrive (each row is written with the product's number beside it, NCCL's "LL"
+protocol, so no grid barrier), then find their tiles already loaded and multiply them on the tensor cores, each warp
+an eighth of the columns of every row (x split into three bf16 parts, so that every product is exact). The memory
+can stream through the waits; what remains per product is the latency of the output's way through L2 and of the
+epilogue (Hazy Research's Llama-1B megakernel, 2025, and the warp-specialized pipelines of CUTLASS's Hopper kernels
+work so). `benchmarks/README.md` (issue 23, sessions 7 and 8) has the figures against the four kernels with PDL, a
+breakdown by part (`skip`) and per-block timelines (`timeline`).
 
 Per layer (bf16; the stream s0 of layer 0 is `residual`, or x itself when None; later layers' is the layer before's
 s2, kept in each block's shared memory):
@@ -22,8 +24,9 @@ s2, kept in each block's shared memory):
     x       = gemv(act, W_down)
 
 with `linear_gemv`'s arithmetic (float32 sums, the stream rounded to bf16, rstd * dot(w, g * s), gate and up
-rounded before silu(gate) * up); only the order of the sums differs, so results agree with the four `linear_gemv`
-calls to bf16 rounding, not bit for bit. Needs a Hopper GPU (compute capability 9.0: the bulk copy) and nvcc.
+rounded before silu(gate) * up); the sums differ in order and, inside each tensor-core product, in rounding (its
+float32 additions truncate), so results agree with the four `linear_gemv` calls to bf16 rounding, not bit for
+bit. Needs a Hopper GPU (compute capability 9.0: the bulk copy) and nvcc.
 """
 
 from __future__ import annotations
@@ -223,12 +226,14 @@ def _table(layers) -> LayerTable:
     return LayerTable(torch.tensor(pointers, dtype=torch.int64).to(layers[0][0].device), pointers)
 
 
-def check_disjoint(**tensors) -> None:
-    """Raises ValueError naming the first of two of `tensors` (None ones skipped) whose bytes overlap: the kernel
-    reads some while it writes others."""
-    spans = [(name, t.data_ptr(), t.data_ptr() + t.nbytes) for name, t in tensors.items() if t is not None]
-    for i, (name, lo, hi) in enumerate(spans):
-        for other, lo2, hi2 in spans[i + 1:]:
+def check_disjoint(writes: dict, reads: dict) -> None:
+    """Raises ValueError naming a tensor the kernel writes (`writes`, None ones skipped) whose bytes overlap another
+    written one or one it reads (`reads`: those may overlap each other, as tied weights do)."""
+    span = lambda t: (t.data_ptr(), t.data_ptr() + t.nbytes)  # noqa: E731
+    written = [(name, *span(t)) for name, t in writes.items() if t is not None]
+    read = [(name, *span(t)) for name, t in reads.items() if t is not None]
+    for i, (name, lo, hi) in enumerate(written):
+        for other, lo2, hi2 in written[i + 1:] + read:
             if lo < hi2 and lo2 < hi:
                 raise ValueError(f"{name}: overlaps {other} in memory; the kernel needs them apart")
 
@@ -293,16 +298,17 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
     """Every layer of `layers` (see `check_layers`) in one launch, for one row: x `[1, H]` bf16, residual `[1, H]`
     or None. table: `layer_table(layers)` of these layers, built here when None (not inside a CUDA graph capture).
     sync: `sync_buffer(device, hidden, n_qkv, inter)` (None: a new one), zeroed here on the stream before the launch
-    (inside a graph too). stage_bytes: the ring's stage size (one library per size). num_stages: ring stages (None:
+    (inside a graph too); one launch's alone while it runs (two launches in flight on one buffer would read each
+    other's words). stage_bytes: the ring's stage size (one library per size). num_stages: ring stages (None:
     as many as shared memory holds). grid: blocks (None: one per SM). Every block waits for the others, so all must
     be resident at once: at most one per SM is checked, not that the SMs are free (other kernels spinning on the
     GPU at the same time, or an MPS share smaller than the GPU, would make it wait forever).
-    outputs: where to write (each contiguous bf16 of its field's shape, apart from each other and from x and
-    residual; None: new tensors). skip: 0, or SKIP_* bits that leave a part of the work out, for timing breakdowns
-    only (the results are then wrong). timeline: None, or an int64 `[grid, num_layers * 4, len(TIMELINE_STAMPS)]`
-    CUDA tensor for the SM clock at TIMELINE_STAMPS (a producer stamp stays unset where a block streams no rows of a
-    product, or with SKIP_STREAM). Returns the last layer's `ChainOutputs`. Raises ValueError naming an argument
-    that does not fit."""
+    outputs: where to write (each contiguous bf16 of its field's shape, apart from each other, from sync and
+    timeline, and from what the kernel reads: x, residual, the layers, the table; None: new tensors). skip: 0, or
+    SKIP_* bits that leave a part of the work out, for timing breakdowns only (the results are then wrong).
+    timeline: None, or an int64 `[grid, num_layers * 4, len(TIMELINE_STAMPS)]` CUDA tensor for the SM clock at
+    TIMELINE_STAMPS (a producer stamp stays unset where a block streams no rows of a product, or with SKIP_STREAM).
+    Returns the last layer's `ChainOutputs`. Raises ValueError naming an argument that does not fit."""
     if missing := cuda_chain_missing(x.device):
         raise ValueError(f"x: the CUDA GEMV chain needs {' and '.join(missing)}")
     if skip & ~(SKIP_BARRIERS | SKIP_PROLOGUE | SKIP_DOTS | SKIP_STREAM):
@@ -356,7 +362,10 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
                     or t.data_ptr() % 16):
                 raise ValueError(f"outputs: {name} must be a contiguous 16-byte-aligned bf16 [1, {n}] on {x.device}, "
                                  f"got {t.dtype} {tuple(t.shape)} on {t.device} at {t.data_ptr():#x}")
-    check_disjoint(**outs._asdict(), x=x, residual=residual, sync=sync, timeline=timeline)
+    weights = {f"layer {i}'s {part}": t for i, layer in enumerate(layers)
+               for part, t in zip(("W_qkv", "W_o", "W_gate_up", "W_down", "g1", "g2"), layer)}
+    check_disjoint({**outs._asdict(), "sync": sync, "timeline": timeline},
+                   {"x": x, "residual": residual, "table": table.addresses, **weights})
     lib = library(stage_bytes=stage_bytes)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     sync.zero_()
