@@ -24,12 +24,13 @@ persistent launch (`minirt.kernels.gemv_chain_triton`) at 1, 2, 4 and 8 programs
 GEMV's tiles at a time (the others at their defaults), with PDL. Writes `gemv-chain-cuda-<date>.json`.
 
 `--cuda-chain` times `minirt.kernels.gemv_chain_cuda` (all 28 layers in one launch, the weights streamed through a
-shared-memory ring by a producer warp) against the four-kernel chain with PDL and the persistent Triton chain
-(4 programs per SM, PDL) in the same run: both chains' outputs against float64 after 1 to 28 layers; stages of 8
-and 16 KB, the ring as deep as shared memory allows and shallower, and the weight stream alone; per-block
-timelines (the SM clock at each part of each product: wait, input, first stage, stages, epilogue; how far ahead
-the producer issued); and the time with one part left out at a time. Writes `gemv-chain-cuda-kernel-<date>.json`.
-(`chain_inputs()` draws x from its own seeded generator too, so that every call returns the same inputs.)
+shared-memory ring by a producer warp) against the four-kernel chain with PDL and the persistent Triton chain (4
+programs per SM, PDL) in the same run: both chains' outputs against float64 after 1 to 28 layers; stages of 8 and 16
+KB, the ring as deep as shared memory allows and shallower, the weights' copies asking L2 to evict them first, and
+the weight stream alone; per-block timelines (the SM clock at each part of each product: wait, input, first stage,
+stages, epilogue; how far ahead the producer issued); and the time with one part left out at a time. Writes
+`gemv-chain-cuda-kernel-<date>.json`. (`chain_inputs()` draws x from its own seeded generator too, so that every
+call returns the same inputs.)
 """
 
 from __future__ import annotations
@@ -233,10 +234,11 @@ def cuda_chain_inputs():
     return layers, layer_table(layers), x0
 
 
-def cuda_chain(num_stages: int | None = None, skip: int = 0, stage_bytes: int = 16384) -> tuple[float, torch.Tensor]:
+def cuda_chain(num_stages: int | None = None, skip: int = 0, stage_bytes: int = 16384,
+               weights_evict_first: bool = False) -> tuple[float, torch.Tensor]:
     """`layer_chain`'s layers in one persistent CUDA launch (`gemv_chain_layers`, which zeroes its sync buffer in
     the graph too): microseconds per layer, and the last layer's output. skip: the kernel's SKIP_* bits (a part
-    left out)."""
+    left out); weights_evict_first: the weights' copies ask L2 to evict them first."""
     from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, sync_buffer
 
     layers, table, x0 = cuda_chain_inputs()
@@ -245,7 +247,7 @@ def cuda_chain(num_stages: int | None = None, skip: int = 0, stage_bytes: int = 
 
     def step():
         outs.append(gemv_chain_layers(x0, layers, table=table, sync=sync, num_stages=num_stages, skip=skip,
-                                      stage_bytes=stage_bytes).out)
+                                      stage_bytes=stage_bytes, weights_evict_first=weights_evict_first).out)
         return outs[-1]
 
     return us_per_layer(step), outs[-1].clone()
@@ -360,6 +362,10 @@ def cuda_chain_sweep(out_dir: str) -> None:
         report["cuda_chain"][f"{stage_bytes}, weight stream alone"] = {"us_per_layer": us}
         print(f"  stages of {stage_bytes} bytes, the weight stream alone: {us:.2f} us per layer "
               f"({ideal / us:.0%})", flush=True)
+    us, out = cuda_chain(weights_evict_first=True)      # the weights' copies ask L2 to evict them first
+    report["cuda_chain"]["16384, weights evicted first"] = {
+        "us_per_layer": us, "rel_err_vs_four_kernels": rel(out, want), "fraction_of_copy_bandwidth": ideal / us}
+    print(f"CUDA chain, the weights evicted first from L2: {us:.2f} us per layer", flush=True)
     # What each part costs: the same launch with a part left out (its results are wrong then).
     parts = {"no waits": C.SKIP_BARRIERS, "no input loads": C.SKIP_PROLOGUE, "no dot products": C.SKIP_DOTS,
              "no weight stream (waits, loads, epilogues)": C.SKIP_STREAM,

@@ -202,6 +202,16 @@ def test_chain_is_deterministic_at_any_ring_depth(shape, num_stages, stage_bytes
 
 
 @needs_kernel
+def test_weights_evict_first_changes_no_bit():
+    """The weights' L2 policy is a cache hint: the same bits as the default build, layer after layer."""
+    x, residual, layers = make_layers(*QWEN3, 3, seed=6)
+    want = C.gemv_chain_layers(x, layers, residual)
+    got = C.gemv_chain_layers(x, layers, residual, weights_evict_first=True)
+    for name, a, b in zip(C.ChainOutputs._fields, got, want):
+        assert torch.equal(a, b), f"{name}: differs with the weights evicted first"
+
+
+@needs_kernel
 def test_chain_in_a_cuda_graph():
     """Captured once (the launch zeroes its sync buffer, in the graph too), replayed on new x: the eager launch's
     results."""
@@ -278,7 +288,7 @@ def fake_launch(monkeypatch):
     monkeypatch.setattr(C, "cuda_chain_missing", lambda device: [])
     monkeypatch.setattr(C, "num_sms", lambda device: 132)
     monkeypatch.setattr(C, "max_stages", lambda *args: 12)
-    monkeypatch.setattr(C, "library", lambda **kwargs: Lib())
+    monkeypatch.setattr(C, "library", lambda **kwargs: calls.append(kwargs) or Lib())
     monkeypatch.setattr(torch.cuda, "device", lambda device: __import__("contextlib").nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device: type("S", (), {"cuda_stream": 1234})())
     hidden, n_qkv, k_o, inter = QWEN3
@@ -296,8 +306,9 @@ def fake_launch(monkeypatch):
 
 def test_the_launch_gets_each_argument_and_a_zeroed_counter(fake_launch):
     calls, args, _ = fake_launch
-    outs = C.gemv_chain_layers(**args, skip=C.SKIP_DOTS)
-    (launch,) = calls
+    outs = C.gemv_chain_layers(**args, skip=C.SKIP_DOTS, weights_evict_first=True)
+    built, launch = calls
+    assert built == {"stage_bytes": C.STAGE_BYTES, "weights_evict_first": True}
     o = args["outputs"]
     want = (args["table"].addresses.ptr, 3, args["x"].ptr, args["residual"].ptr, o.qkv.ptr, o.o.ptr, o.act.ptr,
             o.out.ptr, o.stream_attn.ptr, o.stream_mlp.ptr, args["sync"].ptr)

@@ -110,9 +110,19 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "DONE:\n"
       "}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
+#ifndef MINIRT_WEIGHTS_EVICT_FIRST
+#define MINIRT_WEIGHTS_EVICT_FIRST 0   // 1: the weights' copies ask L2 to evict them first (issue 23's next probe)
+#endif
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#if MINIRT_WEIGHTS_EVICT_FIRST
+  uint64_t policy;   // each weight byte is read once: keep L2 for the activations' words
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], "
+               "%4;" :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy) : "memory");
+#else
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
                :: "r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+#endif
 }
 __device__ __forceinline__ void consumer_sync() {      // named barrier 1: the consumer warps only
   asm volatile("bar.sync 1, %0;" :: "n"(CONSUMERS) : "memory");

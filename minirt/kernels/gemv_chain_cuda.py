@@ -126,13 +126,14 @@ def nvcc() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def library(arch: str = "sm_90", stage_bytes: int = STAGE_BYTES) -> ctypes.CDLL:
-    """The kernel built with nvcc for `arch` and stages of `stage_bytes` into a shared library, cached by the source's
-    hash and flags under $MINIRT_CACHE (default ~/.cache/minirt) and loaded with ctypes; with line info (for
-    Nsight Compute's source view). A few seconds the first time. Raises
-    RuntimeError with nvcc's output if the build fails."""
+def library(arch: str = "sm_90", stage_bytes: int = STAGE_BYTES, weights_evict_first: bool = False) -> ctypes.CDLL:
+    """The kernel built with nvcc for `arch` and stages of `stage_bytes` (and, with `weights_evict_first`, the weights'
+    copies asking L2 to evict them first) into a shared library, cached by the source's hash and flags under
+    $MINIRT_CACHE (default ~/.cache/minirt) and loaded with ctypes; with line info (for Nsight Compute's source
+    view). A few seconds the first time. Raises RuntimeError with nvcc's output if the build fails."""
     source = SOURCE.read_bytes()
-    flags = ["-O3", f"-arch={arch}", "-std=c++17", "-lineinfo", f"-DMINIRT_STAGE_BYTES={stage_bytes}"]
+    flags = ["-O3", f"-arch={arch}", "-std=c++17", "-lineinfo", f"-DMINIRT_STAGE_BYTES={stage_bytes}",
+             f"-DMINIRT_WEIGHTS_EVICT_FIRST={int(weights_evict_first)}"]
     key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt"))
     path = cache / f"gemv_chain_cuda-{arch}-{key}.so"
@@ -294,15 +295,17 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
                       table: LayerTable | None = None, sync: torch.Tensor | None = None,
                       num_stages: int | None = None, grid: int | None = None, eps: float = 1e-6,
                       outputs: ChainOutputs | None = None, stage_bytes: int = STAGE_BYTES,
-                      skip: int = 0, timeline: torch.Tensor | None = None) -> ChainOutputs:
+                      weights_evict_first: bool = False, skip: int = 0,
+                      timeline: torch.Tensor | None = None) -> ChainOutputs:
     """Every layer of `layers` (see `check_layers`) in one launch, for one row: x `[1, H]` bf16, residual `[1, H]`
     or None. table: `layer_table(layers)` of these layers, built here when None (not inside a CUDA graph capture).
     sync: `sync_buffer(device, hidden, n_qkv, inter)` (None: a new one), zeroed here on the stream before the launch
     (inside a graph too); one launch's alone while it runs (two launches in flight on one buffer would read each
-    other's words). stage_bytes: the ring's stage size (one library per size). num_stages: ring stages (None:
-    as many as shared memory holds). grid: blocks (None: one per SM). Every block waits for the others, so all must
-    be resident at once: at most one per SM is checked, not that the SMs are free (other kernels spinning on the
-    GPU at the same time, or an MPS share smaller than the GPU, would make it wait forever).
+    other's words). stage_bytes: the ring's stage size (one library per size). weights_evict_first: the weights'
+    copies ask L2 to evict them first (a library of its own; the results are the same bits). num_stages: ring stages
+    (None: as many as shared memory holds). grid: blocks (None: one per SM). Every block waits for the others, so
+    all must be resident at once: at most one per SM is checked, not that the SMs are free (other kernels spinning
+    on the GPU at the same time, or an MPS share smaller than the GPU, would make it wait forever).
     outputs: where to write (each contiguous bf16 of its field's shape, apart from each other, from sync and
     timeline, and from what the kernel reads: x, residual, the layers, the table; None: new tensors). skip: 0, or
     SKIP_* bits that leave a part of the work out, for timing breakdowns only (the results are then wrong).
@@ -366,7 +369,7 @@ def gemv_chain_layers(x: torch.Tensor, layers, residual: torch.Tensor | None = N
                for part, t in zip(("W_qkv", "W_o", "W_gate_up", "W_down", "g1", "g2"), layer)}
     check_disjoint({**outs._asdict(), "sync": sync, "timeline": timeline},
                    {"x": x, "residual": residual, "table": table.addresses, **weights})
-    lib = library(stage_bytes=stage_bytes)
+    lib = library(stage_bytes=stage_bytes, weights_evict_first=weights_evict_first)
     ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
     sync.zero_()
     with torch.cuda.device(x.device):                      # the attribute and the launch act on the current device
