@@ -153,6 +153,7 @@ def silu_and_mul_epilogue(k: int = 1024, n: int = 6144) -> dict[str, float]:
 LAYER = [("qkv_proj + input norm", 1024, 4096, "norm"), ("o_proj", 2048, 1024, ""),
          ("gate_up_proj + norm + SiLU", 1024, 6144, "norm,silu"), ("down_proj", 3072, 1024, "")]
 NUM_LAYERS = 28
+HIDDEN, N_QKV, K_O, INTER = LAYER[0][1], LAYER[0][2], LAYER[1][1], LAYER[3][1]   # the chain's shapes, from LAYER
 
 
 def chain_candidates(n: int, fuses: str) -> list:
@@ -196,7 +197,7 @@ def layer_chain(pdl: bool, configs: dict | None = None) -> float:
         x, stream = x0, None
         for ws in weights:
             qkv, stream = G.linear_gemv(x, ws[0], config=configs.get(0), norm_weight=norm_w, residual=stream, pdl=pdl)
-            o = G.linear_gemv(qkv[:, :2048], ws[1], config=configs.get(1), pdl=pdl)
+            o = G.linear_gemv(qkv[:, :K_O], ws[1], config=configs.get(1), pdl=pdl)
             act, stream = G.linear_gemv(o, ws[2], config=configs.get(2), silu_and_mul=True, norm_weight=norm_w,
                                         residual=stream, pdl=pdl)
             x = G.linear_gemv(act, ws[3], config=configs.get(3), pdl=pdl)
@@ -242,7 +243,7 @@ def cuda_chain(num_stages: int | None = None, skip: int = 0, stage_bytes: int = 
     from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, sync_buffer
 
     layers, table, x0 = cuda_chain_inputs()
-    sync = sync_buffer(x0.device, 1024, 4096, 3072)
+    sync = sync_buffer(x0.device, HIDDEN, N_QKV, INTER)
     outs = []
 
     def step():
@@ -259,7 +260,7 @@ def layer_chain_output(num_layers: int = NUM_LAYERS) -> torch.Tensor:
     stream = None
     for ws in weights[:num_layers]:
         qkv, stream = G.linear_gemv(x, ws[0], norm_weight=norm_w, residual=stream)
-        o = G.linear_gemv(qkv[:, :2048], ws[1])
+        o = G.linear_gemv(qkv[:, :K_O], ws[1])
         act, stream = G.linear_gemv(o, ws[2], silu_and_mul=True, norm_weight=norm_w, residual=stream)
         x = G.linear_gemv(act, ws[3])
     return x
@@ -350,7 +351,7 @@ def cuda_chain_sweep(out_dir: str) -> None:
     want = layer_chain_output()
     report["cuda_chain"] = {}
     for stage_bytes in (8192, 16384):
-        most = max_stages(device, 1024, 2048, 3072, stage_bytes)
+        most = max_stages(device, HIDDEN, K_O, INTER, stage_bytes)
         for stages in sorted({most, most // 2, 8 * 16384 // stage_bytes, 4}):   # as deep as fits, and shallower
             us, out = cuda_chain(stages, 0, stage_bytes)
             err = rel(out, want)

@@ -173,16 +173,6 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], uint32_t a0, uint32_t a2
       : "r"(a0), "r"(0u), "r"(a2), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void unpack(const uint4& u, float (&v)[8]) {
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const float2 f = __bfloat1622float2(h[e]);
-    v[2 * e] = f.x;
-    v[2 * e + 1] = f.y;
-  }
-}
-
 // A block's rows of each product and its ring position (each of its threads keeps its own copy).
 struct Block {
   int lo[4], hi[4];            // output rows [lo, hi) of each product

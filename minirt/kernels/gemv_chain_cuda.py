@@ -51,6 +51,7 @@ SOURCE = Path(__file__).with_name("gemv_chain_cuda.cu")
 STAGE_BYTES = 16384         # one stage of the ring by default (gemv_chain_cuda.cu's MINIRT_STAGE_BYTES)
 CONSUMER_WARPS = 8
 MAX_CHUNKS = 12             # a warp multiplies at most MAX_CHUNKS x 32 columns of each row (k / CONSUMER_WARPS)
+MMA_N = 8                   # a tile's rows are the columns of the tensor cores' B operand (mma.sync m16n8k16)
 MAX_TILES = 16              # stage tiles per block per product (the kernel's warp-sum buffer)
 BARRIER_BYTES = 16          # a stage's two mbarriers
 # gemv_chain_cuda.cu's Params::flags: leave out the waits for the previous product's words, the input loads, the dot
@@ -162,7 +163,7 @@ def tile_rows(k: int, pair: bool, stage_bytes: int = STAGE_BYTES) -> int:
     cores' B operand. Raises ValueError naming k when one row does not fit a stage, or when a warp's share of a
     row (k / CONSUMER_WARPS) is not whole 8-column loads or more than MAX_CHUNKS x 32 columns."""
     per_row = k * 2 * (2 if pair else 1)
-    rows = 8 // (2 if pair else 1)
+    rows = MMA_N // (2 if pair else 1)
     while rows > 1 and rows * per_row > stage_bytes:
         rows //= 2
     if rows * per_row > stage_bytes:
@@ -242,10 +243,9 @@ def check_disjoint(writes: dict, reads: dict) -> None:
 def chain_plan(hidden: int, n_qkv: int, k_o: int, inter: int, grid: int,
                stage_bytes: int = STAGE_BYTES) -> list[Product]:
     """How the kernel tiles each product (qkv, o, gate/up, down): its rows per stage tile (`tile_rows`; gate/up:
-    pairs). Raises ValueError naming the field when a block would own no row
-    of gate/up (the kernel's flagged outputs are rewritten two layers later on the strength of every block writing
-    gate/up rows), or when it would own more rows than the kernel sums in its epilogue (256) or take more than
-    MAX_TILES tiles."""
+    pairs). Raises ValueError naming the field when a block would own no row of gate/up (the kernel's flagged
+    outputs are rewritten two layers later on the strength of every block writing gate/up rows), or when it would
+    own more rows than the kernel sums in its epilogue (256) or take more than MAX_TILES tiles."""
     if stage_bytes < 256 or stage_bytes % 16:
         raise ValueError(f"stage_bytes: a multiple of 16 (the bulk copy's unit), at least 256, got {stage_bytes}")
     if inter < grid:
