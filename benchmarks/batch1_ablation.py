@@ -1,0 +1,104 @@
+"""What each of a batch-1 decode step's kernels costs on its critical path: the step timed without it.
+
+    python benchmarks/batch1_ablation.py [--rounds 4] [--out benchmarks/results]
+
+With programmatic dependent launch the kernels of a step overlap, so a profile's kernel times no longer add up to
+the step, and a kernel's own duration is not what the step would save without it. Here every variant is a
+`minirt.LLM` with the default plan whose decode graphs were captured with some kernels left out (their Python
+launchers replaced by functions that launch nothing while the engine was built), all on the same random
+Qwen3-0.6B-shaped checkpoint, timed in interleaved rounds as `ab.py` times settings (512-token prompt, 256 new
+tokens). The tokens of a variant are garbage: only its time means anything. The variants:
+
+* `rotary`: the q/k norm and rotation with the K/V write (`norm_rotate_and_store_triton`);
+* `combine`: the split-KV combine (`_combine_splits_kernel`);
+* `attention`: the attention kernel and its combine;
+* `rotary+combine`: what one kernel for the rotation, the K/V write, attention and the combine could save at most;
+* `rotary+attention`: the step's GEMVs, the LM head and the sampler alone.
+
+Prints each variant's TPOT median, its ratio to the default's, and the time saved per layer (28 layers), and
+writes `batch1-ablation-cuda-<date>.json`. Needs CUDA. (Issue 23, session 9.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from ab import interleaved_tpot, new_llm  # noqa: E402
+from minirt.bench import build_random_qwen3, cuda_script_args, report_header, write_report  # noqa: E402
+from minirt.metrics import format_table  # noqa: E402
+
+VARIANTS = {"default": (), "rotary": ("rotary",), "combine": ("combine",), "attention": ("attention", "combine"),
+            "rotary+combine": ("rotary", "combine"), "rotary+attention": ("rotary", "attention", "combine")}
+LAYERS = 28
+
+
+class _NoLaunch:
+    """Stands in for a Triton kernel: `kernel[grid](...)` launches nothing."""
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: None
+
+
+@contextlib.contextmanager
+def left_out(parts: tuple[str, ...]):
+    """The kernels of `parts` replaced by functions that launch nothing, while an engine is built (its decode graphs
+    are captured then)."""
+    from minirt.fast.attention import KernelPagedAttention
+
+    patches = []
+    if "rotary" in parts:      # the rotated q is q itself; the K/V cache is not written
+        patches.append(mock.patch("minirt.kernels.rotary_triton.norm_rotate_and_store_triton",
+                                  lambda q, *args, **kwargs: q))
+    if "combine" in parts:
+        patches.append(mock.patch("minirt.kernels.paged_attention_triton._combine_splits_kernel", _NoLaunch()))
+    if "attention" in parts:
+        patches.append(mock.patch.object(KernelPagedAttention, "attend", lambda self, layer_idx, q: q))
+    with contextlib.ExitStack() as stack:
+        for p in patches:
+            stack.enter_context(p)
+        yield
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 4}))
+    if args is None:
+        return 2
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    device = torch.device("cuda")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_random_qwen3(tmp, device, seed=0)
+        llms = {}
+        for name, parts in VARIANTS.items():
+            with left_out(parts):
+                llms[name] = new_llm(model, device)
+        tpot = interleaved_tpot(llms, args.rounds, device)
+    base = statistics.median(tpot["default"])
+    rows = []
+    for name, runs in tpot.items():
+        med = statistics.median(runs)
+        rows.append([name, med * 1e3, med / base, (base - med) / LAYERS * 1e6, " ".join(f"{x * 1e3:.3f}" for x in runs)])
+    print(format_table(["left out", "TPOT median ms", "x default", "saved per layer us", "every run (ms)"], rows))
+    report = {**report_header(device), "workload": {"prompt_len": 512, "new_tokens": 256, "rounds": args.rounds},
+              "variants": {name: list(parts) for name, parts in VARIANTS.items()},
+              "plan": llms_plan(llms), "tpot_s": tpot,
+              "tpot_median_s": {name: statistics.median(v) for name, v in tpot.items()}}
+    write_report(report, args.out, f"batch1-ablation-cuda-{datetime.date.today()}")
+    return 0
+
+
+def llms_plan(llms: dict) -> dict:
+    return next(iter(llms.values())).engine.plan.as_dict()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
