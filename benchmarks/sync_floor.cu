@@ -9,6 +9,9 @@
 //   mode 1, all-gather: every block writes its 32 words (one 128-byte line) = r, then its 256 waiting threads poll
 //     all grid x 32 words (16-byte loads, as the chain's input) until every one reads r or more: one product's
 //     dependency per round, without the product.
+//   mode 2, counter: every block writes its line, then thread 0 adds 1 to one counter (release) and polls it
+//     (acquire) until all blocks have, then the 256 threads load every line once (a grid barrier, then the input);
+//     a word found older than r counts in out[2].
 // Words are (round << 16) | data, written with st.relaxed.gpu and polled with ld.relaxed.gpu, as in
 // minirt/kernels/gemv_chain_cuda.cu. Block 0's thread 0 reads %globaltimer (ns) before the first round and after
 // the last.
@@ -90,6 +93,27 @@ floor_kernel(uint32_t* words, uint32_t* stop, int mode, int rounds, const uint4*
         }
       }
     }
+  } else if (mode == 2) {
+    const int vecs = grid * LINE / 4;
+    uint32_t* counter = stop + 32;
+    unsigned long long stale = 0;
+    for (uint32_t r = 1; r <= static_cast<uint32_t>(rounds); ++r) {
+      if (tid < LINE) store_word(words + b * LINE + tid, (r << 16) | tid);
+      waiters_sync();
+      if (tid == 0) {
+        asm volatile("red.release.gpu.global.add.u32 [%0], 1;" :: "l"(counter) : "memory");
+        uint32_t seen;
+        do {
+          asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(seen) : "l"(counter) : "memory");
+        } while (seen < r * grid);
+      }
+      waiters_sync();
+      for (int v = tid; v < vecs; v += WAITERS) {
+        const uint4 w = load_words4(words + 4 * v);
+        stale += (w.x >> 16) < r || (w.y >> 16) < r || (w.z >> 16) < r || (w.w >> 16) < r;
+      }
+    }
+    if (stale) atomicAdd(out + 2, stale);
   } else {
     const int vecs = grid * LINE / 4;
     for (uint32_t r = 1; r <= static_cast<uint32_t>(rounds); ++r) {

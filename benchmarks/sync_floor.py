@@ -8,7 +8,8 @@ before (benchmarks/README.md, session 8), four times a layer, against 7.5 us a l
 bandwidth. This asks what the wait costs with nothing else in it: one block per SM; `ping-pong` passes a word from
 block 0 to the last block and back (a round trip per round), `all-gather` has every block write one 128-byte line of
 words and then wait, with 256 threads polling 16-byte loads, for every block's line (one product's dependency per
-round, without the product). Each with the other 256 threads of every block idle, or streaming a 1 GiB buffer with
+round, without the product), `counter` has every block write its line, count itself in on one counter and wait
+for the count before it loads every line (a grid barrier, then the input). Each with the other 256 threads of every block idle, or streaming a 1 GiB buffer with
 plain loads (as the chain's weight stream keeps L2 and memory busy). Prints microseconds per round and the stream's
 bandwidth, and writes `sync-floor-cuda-<date>.json`. Needs CUDA and nvcc.
 """
@@ -34,7 +35,7 @@ from minirt.kernels.gemv_chain_cuda import nvcc  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 SOURCE = Path(__file__).with_name("sync_floor.cu")
-MODES = {"ping-pong": 0, "all-gather": 1}
+MODES = {"ping-pong": 0, "all-gather": 1, "counter": 2}
 STREAM_BYTES = 1 << 30
 LINE = 32
 
@@ -70,7 +71,9 @@ def run(lib, mode: str, rounds: int, stream: torch.Tensor | None, device: torch.
     if err:
         raise RuntimeError(f"sync_floor launch failed: CUDA error {err}")
     torch.cuda.synchronize(device)
-    ns, loaded = out[0].item(), out[1].item()
+    ns, loaded, stale = out[0].item(), out[1].item(), out[2].item()
+    if stale:
+        raise RuntimeError(f"sync_floor {mode}: {stale} loads after the count read a word of an earlier round")
     return {"us_per_round": ns / rounds / 1e3, "stream_gb_s": loaded / ns if stream is not None else None}
 
 
