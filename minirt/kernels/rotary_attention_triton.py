@@ -112,10 +112,10 @@ def _rotary_decode_attention_kernel(
         n = start + tl.arange(0, BLOCK_N)
         n_ok = n < hi
         offs = _kv_offsets(table, n, n_ok, kv_head, dk, stride_kb, stride_ks, stride_kh, BLOCK_SIZE)
-        old = (n_ok & (n < pos))[:, None]
-        new = (n == pos)[:, None]
-        k = tl.where(new, k_new, tl.load(KCache + offs, mask=old, other=0.0))
-        v = tl.where(new, v_new, tl.load(VCache + offs, mask=old, other=0.0))
+        cached = (n_ok & (n < pos))[:, None]
+        fresh = (n == pos)[:, None]
+        k = tl.where(fresh, k_new, tl.load(KCache + offs, mask=cached, other=0.0))
+        v = tl.where(fresh, v_new, tl.load(VCache + offs, mask=cached, other=0.0))
         m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, tl.zeros([BLOCK_M], tl.int64) + pos, m_i, l_i, acc, scale,
                                      IEEE)
     token = tl.zeros([BLOCK_M], tl.int64) + seq
