@@ -569,8 +569,6 @@ ON_OFF_SWITCHES = (
     ("rotary_kernel", "minirt's q/k norm and rotation in one Triton kernel (auto: with CUDA graphs)"),
     ("pdl", "minirt's Triton kernels with programmatic dependent launch (auto: with CUDA graphs, Hopper+)"),
     ("kv_write_in_rotary", "minirt's K/V cache write inside the rotary kernel (auto: with the rotary kernel)"),
-    ("rotary_in_attention", "minirt's q/k norm, rotation and K/V write inside the decode attention kernel (auto: with "
-                            "the Triton attention and rotary kernels)"),
     ("combine_in_attention", "minirt's split-KV combine inside the attention kernel (auto: off; slower where PDL runs)"),
     ("prefetch_kv", "minirt's attention kernel loads earlier steps' K/V before its PDL wait (auto: with PDL)"),
     ("l2_prefetch", "minirt's one-row GEMVs ask L2 for the next GEMV's weights (auto: with the GEMV kernel, merged "

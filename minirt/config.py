@@ -16,7 +16,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 
 #: Switches that are True, False or None (None: on where the rules of `minirt.fast.plan` say it pays).
 AUTO_SWITCHES = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl",
-                 "kv_write_in_rotary", "rotary_in_attention", "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling",
+                 "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling",
                  "piecewise_graphs", "async_scheduling", "silu_and_mul_kernel")
 
 
@@ -48,8 +48,7 @@ class EngineConfig:
     num_scheduler_steps: decode steps run back to back per schedule (vLLM's multi-step scheduling).
     norm_in_gemv: each layer's norms in the prologue of the GEMV after them. rotary_kernel: the q/k norm and the
     rotation in one Triton kernel. pdl: programmatic dependent launch of the Triton kernels (Hopper or later).
-    kv_write_in_rotary: the K/V cache write inside the rotary kernel. rotary_in_attention: at decode steps, the q/k
-    norm, the rotation and the K/V write inside the attention kernel (no rotary kernel). combine_in_attention: the split-KV combine
+    kv_write_in_rotary: the K/V cache write inside the rotary kernel. combine_in_attention: the split-KV combine
     inside the attention kernel. prefetch_kv: split-KV attention loads earlier steps' K/V before its PDL wait.
     l2_prefetch: each one-row GEMV asks the L2 cache for the next GEMV's weights. overlap_scheduling: with
     multi-step decode, the next burst of the same requests is launched before the host takes this one's tokens.
@@ -80,7 +79,6 @@ class EngineConfig:
     rotary_kernel: bool | None = None
     pdl: bool | None = None
     kv_write_in_rotary: bool | None = None
-    rotary_in_attention: bool | None = None
     combine_in_attention: bool | None = False
     prefetch_kv: bool | None = None
     l2_prefetch: bool | None = None

@@ -14,13 +14,12 @@ from minirt.config import EngineConfig
 from minirt.fast import Hardware, Plan, resolve_plan
 
 ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
-          "rotary_in_attention", "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling", "piecewise_graphs",
+          "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling", "piecewise_graphs",
           "async_scheduling", "silu_and_mul_kernel")
 #: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
 #: (cuda_graphs needs the Triton kernel or flash-attn's: `expected` below)
 NEEDS = {"split_kv": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
-         "kv_write_in_rotary": ["rotary_kernel"], "rotary_in_attention": ["triton", "rotary_kernel"],
-         "combine_in_attention": ["triton", "split_kv"],
+         "kv_write_in_rotary": ["rotary_kernel"], "combine_in_attention": ["triton", "split_kv"],
          "prefetch_kv": ["pdl", "split_kv", "triton"], "l2_prefetch": ["gemv", "merge_projections"],
          "piecewise_graphs": ["cuda_graphs"]}
 NO_FLASH = ("flash-attn-4 or flash-attn installed (pip install flash-attn-4; got ...)",)
@@ -56,8 +55,7 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     asked["cuda_graphs"] = False if cfg.enforce_eager else None
     on = {}
     order = ["flash_attn", "triton", "split_kv", "cuda_graphs", "fused_ops", "merge_projections", "gemv", "norm_in_gemv",
-             "rotary_kernel", "pdl", "kv_write_in_rotary", "rotary_in_attention", "combine_in_attention", "prefetch_kv",
-             "l2_prefetch"]
+             "rotary_kernel", "pdl", "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch"]
     auto = {"fused_ops": lambda: hw.device_type == "cuda", "merge_projections": lambda: hw.device_type == "cuda",
             "gemv": lambda: on["cuda_graphs"], "rotary_kernel": lambda: on["cuda_graphs"],
             "pdl": lambda: on["cuda_graphs"], "combine_in_attention": lambda: False, "l2_prefetch": lambda: on["pdl"]}
@@ -113,8 +111,7 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
     plan = resolve_plan(EngineConfig(), torch.device("cuda"), hardware=MACHINES["hopper"])
     assert plan == Plan(attention_backend="triton", split_kv=True, cuda_graphs=True, fused_ops=True,
                         merge_projections=True, gemv=True, num_scheduler_steps=8, norm_in_gemv=True,
-                        rotary_kernel=True, pdl=True, kv_write_in_rotary=True, rotary_in_attention=True,
-                        combine_in_attention=False,
+                        rotary_kernel=True, pdl=True, kv_write_in_rotary=True, combine_in_attention=False,
                         prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True, piecewise_graphs=True,
                         async_scheduling=True, silu_and_mul_kernel=True)
     with pytest.raises(Exception):

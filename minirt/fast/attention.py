@@ -1,16 +1,12 @@
-"""Which paged-attention kernel and K/V write run, and the torch references of the split-KV combine and of decode
-attention with the rotation in front (chapter 07)."""
+"""Which paged-attention kernel and K/V write run, and the split-KV combine's torch reference (chapter 07)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
 from minirt.attention import PagedAttention, PagedAttentionMetadata, paged_attention_reference, store_kv
-from minirt.fast.ops import norm_rotate_and_store
 
 
 class KernelPagedAttention(PagedAttention):
@@ -47,52 +43,11 @@ class KernelPagedAttention(PagedAttention):
             self.prepared = prepare(self.meta)
         return self.kernel.run(q[0], k_cache, v_cache, self.prepared)[None]
 
-    def rotates(self) -> bool:
-        """True where `rotate_and_attend` runs: a batch of decodes, with a kernel that rotates (`RotaryInAttention`)."""
-        return self.meta.max_query_len == 1 and isinstance(self.kernel, RotaryInAttention)
-
-    def rotate_and_attend(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-                          sin: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None,
-                          eps: float) -> torch.Tensor:
-        """Attention over layer `layer_idx`'s cache for q/k/v as the projection left them: the q/k norm, the rotation
-        and this step's K/V write first, all in the kernel (`rotate_store_and_attend`'s contract). Only where
-        `rotates()`."""
-        k_cache, v_cache = self.kv_cache[layer_idx]
-        return self.kernel.rotate_and_attend(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, self.meta)
-
-
-def rotate_store_and_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                            q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                            k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedAttentionMetadata,
-                            attend: Callable = paged_attention_reference) -> torch.Tensor:
-    """Qwen3's q/k norm and the rotation (weights None: no norm), this step's K/V write, then paged attention, in
-    plain torch: the contract of `RotaryInAttention.rotate_and_attend`, which
-    `minirt.kernels.rotary_attention_triton.rotary_decode_attention_triton` fulfils in one kernel for batches of
-    decodes. q `[1, T, H, D]`, k/v `[1, T, Hkv, D]`, cos/sin `[1, T, R]`, caches `[num_blocks, block_size, Hkv, D]`
-    -> `[1, T, H, D]`."""
-    q = norm_rotate_and_store(q, k, v, cos, sin, q_weight, k_weight, eps, k_cache, v_cache, meta.slot_mapping)
-    return attend(q[0], k_cache, v_cache, meta)[None]
-
-
-@dataclass(frozen=True)
-class RotaryInAttention:
-    """An attention kernel (`paged_attention_reference`'s contract, for every step) with a twin for batches of
-    decodes that takes q/k/v before the q/k norm and rotation (`rotate_store_and_attend`'s contract): chapter 07's
-    rotary_in_attention, one kernel per layer where the rotary kernel and attention take two."""
-
-    attend: Callable
-    rotate_and_attend: Callable
-
-    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                 meta: PagedAttentionMetadata) -> torch.Tensor:
-        return self.attend(q, k_cache, v_cache, meta)
-
 
 def attention_kernels(plan, device: torch.device, max_num_seqs: int, num_kv_heads: int):
     """`(kernel, store)` for a plan (`minirt.fast.plan.Plan`): the torch reference; flash-attn's kernel
     (`minirt.fast.flash_attn`) with the Triton K/V write; or the Triton kernels of
-    `minirt.kernels.paged_attention_triton` with the plan's split-KV, PDL, K/V prefetch and in-kernel combine, and
-    with rotary_in_attention its twin that rotates (`RotaryInAttention`).
+    `minirt.kernels.paged_attention_triton` with the plan's split-KV, PDL, K/V prefetch and in-kernel combine.
 
     The K/V prefetch reads earlier steps' K/V before its PDL wait. That is safe because every forward pass of
     `minirt.model.decoder.DecoderModel` starts with torch's embedding gather, launched without PDL, which starts
@@ -116,12 +71,7 @@ def attention_kernels(plan, device: torch.device, max_num_seqs: int, num_kv_head
         options["num_splits"] = 1
     if plan.combine_in_attention:
         options["split_counters"] = split_counters_for(max_num_seqs, num_kv_heads, device)
-    kernel = functools.partial(paged_attention_triton, **options)
-    if plan.rotary_in_attention:
-        from minirt.kernels.rotary_attention_triton import rotary_decode_attention_triton
-
-        kernel = RotaryInAttention(kernel, functools.partial(rotary_decode_attention_triton, **options))
-    return kernel, functools.partial(store_kv_triton, pdl=plan.pdl)
+    return functools.partial(paged_attention_triton, **options), functools.partial(store_kv_triton, pdl=plan.pdl)
 
 
 def combine_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:

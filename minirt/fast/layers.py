@@ -8,8 +8,7 @@ parameters, by modules that run the same sums with fewer kernels and fewer trips
   SiLU-and-multiply by a Triton kernel (`silu_and_mul_kernel`);
 * one-row products through a matrix-vector kernel (`GemvLinear`), with SiLU-and-multiply in its epilogue and,
   at batch 1, each layer's norms in its prologue (`NormInGemvLayer`);
-* the q/k norm and rotation in one kernel, optionally writing the K/V cache too, or at decode steps inside the
-  attention kernel (`FastAttention`, `minirt.fast.attention.RotaryInAttention`);
+* the q/k norm and rotation in one kernel, optionally writing the K/V cache too (`FastAttention`);
 * each GEMV asking the L2 cache for the next one's weights (`bind_l2_prefetch`).
 
 Which of them run is the plan's (`minirt.fast.plan`); the functions that run them are a `ModelKernels`
@@ -119,9 +118,7 @@ class FastAttention(nn.Module):
         k = k.view(B, T, self.num_kv_heads, self.head_dim)
         v = v.view(B, T, self.num_kv_heads, self.head_dim)
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
-        if isinstance(attn, KernelPagedAttention) and attn.rotates():          # one kernel: rotation, K/V write, attention
-            out = attn.rotate_and_attend(self.layer_idx, q, k, v, cos, sin, *norm)
-        elif self.rotate_and_store is not None and isinstance(attn, KernelPagedAttention):
+        if self.rotate_and_store is not None and isinstance(attn, KernelPagedAttention):
             q = self.rotate_and_store(q, k, v, cos, sin, *norm, *attn.kv_cache[self.layer_idx], attn.meta.slot_mapping)
             out = attn.attend(self.layer_idx, q)
         else:

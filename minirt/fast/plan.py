@@ -74,7 +74,6 @@ class Plan:
     rotary_kernel: bool = False
     pdl: bool = False
     kv_write_in_rotary: bool = False
-    rotary_in_attention: bool = False
     combine_in_attention: bool = False
     prefetch_kv: bool = False
     l2_prefetch: bool = False
@@ -193,9 +192,6 @@ RULES: tuple[Rule, ...] = (
          "with CUDA graphs where it can run"),
     Rule("kv_write_in_rotary", "the K/V write in the rotary kernel", lambda r: r.need("rotary_kernel"),
          lambda r: True, "with the rotary kernel"),
-    Rule("rotary_in_attention", "the rotation and K/V write in the decode attention kernel",
-         lambda r: r.need("attention_backend", "rotary_kernel"), lambda r: True,
-         "with the Triton attention and rotary kernels"),
     Rule("combine_in_attention", "the split combine in the attention kernel",
          lambda r: r.need("attention_backend", "split_kv"), lambda r: False, "off (slower where PDL runs)"),
     Rule("prefetch_kv", "loading K/V before the PDL wait", lambda r: r.need("pdl", "split_kv", "attention_backend"),
