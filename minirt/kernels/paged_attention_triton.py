@@ -265,7 +265,7 @@ ROWS_ALL, ROWS_ONE_TOKEN, ROWS_CHUNKS = 0, 1, 2
 # A chunk tile holds CHUNK_BLOCK_M rows, so that each K/V tile it loads serves many query rows. The sweeps behind
 # these choices: benchmarks/README.md, "The throughput workload against its ceiling".
 DECODE_TILE = (128, 4, 2)          # one program per (sequence, KV head)
-SPLIT_TILE = (64, 8, 3)            # split-KV launches: their shares and the K/V prefetch are sized by 64 keys
+SPLIT_TILE = (64, 8, 2)            # split-KV launches: their shares and the K/V prefetch are sized by 64 keys
 CHUNK_BLOCK_M, CHUNK_TILE = 128, (32, 4, 2)
 CHUNK_MIN_TOKENS = 16              # a step whose longest chunk is shorter keeps one launch of decode-sized tiles
 
