@@ -32,7 +32,7 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from ab import interleaved_tpot, new_llm  # noqa: E402
 from minirt.bench import build_random_qwen3, cuda_script_args, report_header, write_report  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402

@@ -24,7 +24,7 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from ab import new_llm  # noqa: E402
 from minirt.bench import (build_random_qwen3, cuda_script_args, make_prompts, report_header, run_minirt,  # noqa: E402
                           write_report)
