@@ -53,12 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device (the settings it compares are GPU ones)", file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device("cuda")
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_random_qwen3(tmp, device, seed=0)
-        llms = {name: new_llm(model, device, **kwargs) for name, kwargs in configs.items()}
-        tpot = interleaved_tpot(llms, args.rounds, device)
+    llms, tpot = interleaved_variants({name: (lambda model, kw=kwargs: new_llm(model, device, **kw))
+                                       for name, kwargs in configs.items()}, args.rounds, device)
     settings = {name: {"asked": kwargs, "plan": llms[name].engine.plan.as_dict()} for name, kwargs in configs.items()}
     report_tpot(tpot, settings, args.rounds, device, args.out, "-".join(filter(None, ["ab-batch1-cuda",
                                                                                       str(datetime.date.today()),
@@ -69,6 +66,16 @@ def main(argv: list[str] | None = None) -> int:
 def new_llm(model: str, device: torch.device, **kwargs) -> minirt.LLM:
     """The `minirt.LLM` every setting gets: bfloat16, up to 8 sequences, 512 KV blocks, plus the setting."""
     return minirt.LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=8, num_kv_blocks=512, **kwargs)
+
+
+def interleaved_variants(build: dict, rounds: int, device: torch.device) -> tuple[dict, dict[str, list[float]]]:
+    """One `minirt.LLM` per variant on one random Qwen3-0.6B-shaped checkpoint (`build[name](model_path)` builds it),
+    all built first and kept alive, then `interleaved_tpot` over them. Returns (llms, tpot)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    with tempfile.TemporaryDirectory() as tmp:
+        model = build_random_qwen3(tmp, device, seed=0)
+        llms = {name: make(model) for name, make in build.items()}
+        return llms, interleaved_tpot(llms, rounds, device)
 
 
 def interleaved_tpot(llms: dict, rounds: int, device: torch.device) -> dict[str, list[float]]:

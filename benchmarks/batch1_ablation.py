@@ -23,18 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import os
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from unittest import mock
 
 import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
-from ab import interleaved_tpot, new_llm  # noqa: E402
-from minirt.bench import build_random_qwen3, cuda_script_args, report_header, write_report  # noqa: E402
+from ab import interleaved_variants, new_llm  # noqa: E402
+from minirt.bench import cuda_script_args, report_header, write_report  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 VARIANTS = {"default": (), "rotary": ("rotary",), "combine": ("combine",), "attention": ("attention", "combine"),
@@ -73,15 +71,15 @@ def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 4}))
     if args is None:
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device("cuda")
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_random_qwen3(tmp, device, seed=0)
-        llms = {}
-        for name, parts in VARIANTS.items():
+
+    def build(parts):
+        def make(model):
             with left_out(parts):
-                llms[name] = new_llm(model, device)
-        tpot = interleaved_tpot(llms, args.rounds, device)
+                return new_llm(model, device)
+        return make
+
+    llms, tpot = interleaved_variants({name: build(parts) for name, parts in VARIANTS.items()}, args.rounds, device)
     base = statistics.median(tpot["default"])
     rows = []
     for name, runs in tpot.items():

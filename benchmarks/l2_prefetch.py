@@ -15,15 +15,13 @@ import argparse
 import datetime
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab import interleaved_tpot, new_llm, report_tpot  # noqa: E402
+from ab import interleaved_variants, new_llm, report_tpot  # noqa: E402
 
-from minirt.bench import build_random_qwen3  # noqa: E402
 
 #: name -> (ahead, count), or None for no prefetch. The first row is the baseline of the ratios.
 SCHEMES = {"off": None, "the next GEMV (the default)": (1, 1), "the one after next": (2, 1),
@@ -56,16 +54,17 @@ def main(argv: list[str] | None = None) -> int:
         print("error: this benchmark needs a CUDA device with the bulk prefetch into L2 (Hopper or later)",
               file=sys.stderr)
         return 2
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device("cuda")
-    with tempfile.TemporaryDirectory() as tmp:
-        model = build_random_qwen3(tmp, device, seed=0)
-        llms = {}
-        for name, scheme in SCHEMES.items():
-            llms[name] = new_llm(model, device, l2_prefetch=False)
+
+    def build(scheme):
+        def make(model):
+            llm = new_llm(model, device, l2_prefetch=False)
             if scheme:
-                rebind(llms[name], *scheme)
-        tpot = interleaved_tpot(llms, args.rounds, device)
+                rebind(llm, *scheme)
+            return llm
+        return make
+
+    _, tpot = interleaved_variants({name: build(scheme) for name, scheme in SCHEMES.items()}, args.rounds, device)
     settings = {name: None if s is None else {"ahead": s[0], "count": s[1]} for name, s in SCHEMES.items()}
     report_tpot(tpot, settings, args.rounds, device, args.out, f"l2-prefetch-cuda-{datetime.date.today()}")
     return 0

@@ -280,3 +280,27 @@ def test_profile_throughput_windows_pick_prefill_steps_the_first_and_full_bursts
              + [{"kind": "burst", "rows": r} for r in (48, 48, 48, 48, 47)])
     assert windows_for(calls) == {2: ("prefill", 1), 3: ("prefill", 1), 4: ("prefill", 1), 7: ("first_burst", 1),
                                   9: ("burst", 3)}
+
+
+def test_interleaved_variants_builds_each_on_one_checkpoint_then_times_them_all(monkeypatch):
+    """benchmarks/ab.py's `interleaved_variants` (ab.py, l2_prefetch.py and batch1_ablation.py build their engines
+    with it): one checkpoint, every variant built from its path before any is timed, and the timing over all of
+    them, with the checkpoint's folder still there while they run."""
+    ab = _benchmark_module("ab")
+    paths, events = [], []
+
+    def fake_checkpoint(path, device, seed):
+        paths.append(path)
+        return path
+
+    def fake_tpot(llms, rounds, device):
+        events.append(("timed", sorted(llms), rounds, all(__import__("os").path.isdir(p) for p in paths)))
+        return {name: [0.001] * rounds for name in llms}
+
+    monkeypatch.setattr(ab, "build_random_qwen3", fake_checkpoint)
+    monkeypatch.setattr(ab, "interleaved_tpot", fake_tpot)
+    build = {name: (lambda model, name=name: events.append(("built", name, model)) or f"llm-{name}") for name in "ab"}
+    llms, tpot = ab.interleaved_variants(build, 3, "cpu")
+    assert llms == {"a": "llm-a", "b": "llm-b"} and tpot == {"a": [0.001] * 3, "b": [0.001] * 3}
+    assert events == [("built", "a", paths[0]), ("built", "b", paths[0]), ("timed", ["a", "b"], 3, True)]
+    assert len(paths) == 1
