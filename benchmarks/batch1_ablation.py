@@ -13,7 +13,8 @@ tokens). The tokens of a variant are garbage: only its time means anything. The 
 * `combine`: the split-KV combine (`_combine_splits_kernel`);
 * `attention`: the attention kernel and its combine;
 * `rotary+combine`: what one kernel for the rotation, the K/V write, attention and the combine could save at most;
-* `rotary+attention`: the step's GEMVs, the LM head and the sampler alone.
+* `rotary+attention`: the step's GEMVs, the LM head and its per-step kernels (embedding, cos and sin, the final norm,
+  the sampler, the burst's input advance) alone.
 
 Prints each variant's TPOT median, its ratio to the default's, and the time saved per layer (28 layers), and
 writes `batch1-ablation-cuda-<date>.json`. Needs CUDA. (Issue 23, session 9.)

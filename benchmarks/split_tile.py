@@ -51,8 +51,9 @@ def main(argv: list[str] | None = None) -> int:
                 llms[tile] = new_llm(model, device)
         vocab = next(iter(llms.values())).engine.model.config.vocab_size
         prompts = make_prompts(args.rounds * sum(BATCHES) + max(BATCHES), (512, 512), vocab, seed=3)
-        for llm in llms.values():                                   # warm-up
-            run_minirt(llm, prompts[-max(BATCHES):], 16, device)
+        for llm in llms.values():                                   # warm-up: first-use compiles at each size
+            for b in BATCHES:
+                run_minirt(llm, prompts[-b:], 16, device)
         tpot = {(tile, b): [] for tile in TILES for b in BATCHES}
         at = 0
         for r in range(args.rounds):

@@ -3,7 +3,8 @@
 // idle and with the other warps of every block streaming a buffer larger than L2 from memory.
 //
 // One block per SM, 512 threads: warps 0-7 wait (as the chain's consumer warps do), warps 8-15 stream (when asked;
-// plain 16-byte loads, eight in flight per thread) until block 0 has finished its rounds.
+// 16-byte non-coherent loads that skip L1, eight in flight per thread) until block 0 has finished its rounds. Every
+// block must be resident at once (the waits spin): the launch refuses a grid larger than the GPU holds.
 //   mode 0, ping-pong: block 0 writes word 0 = r, block grid-1 waits for it and writes word 32 = r, block 0 waits
 //     for that: one round trip per round.
 //   mode 1, all-gather: every block writes its 32 words (one 128-byte line) = r, then its 256 waiting threads poll
@@ -138,6 +139,11 @@ floor_kernel(uint32_t* words, uint32_t* stop, int mode, int rounds, const uint4*
 extern "C" int minirt_sync_floor(int mode, int grid, int rounds, void* words, void* stop, const void* stream,
                                  unsigned long long stream_vecs, void* out, void* cuda_stream) {
   const uint64_t mask = stream_vecs ? stream_vecs - 1 : 0;
+  int device = 0, sms = 0, per_sm = 0;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, floor_kernel, THREADS, 0);
+  if (grid > sms * per_sm || rounds < 1 || rounds > 65535) return -1;   // not all resident, or rounds past 16 bits
   floor_kernel<<<grid, THREADS, 0, static_cast<cudaStream_t>(cuda_stream)>>>(
       static_cast<uint32_t*>(words), static_cast<uint32_t*>(stop), mode, rounds,
       static_cast<const uint4*>(stream), mask, static_cast<unsigned long long*>(out));

@@ -10,7 +10,7 @@ block 0 to the last block and back (a round trip per round), `all-gather` has ev
 words and then wait, with 256 threads polling 16-byte loads, for every block's line (one product's dependency per
 round, without the product), `counter` has every block write its line, count itself in on one counter and wait
 for the count before it loads every line (a grid barrier, then the input). Each with the other 256 threads of every block idle, or streaming a 1 GiB buffer with
-plain loads (as the chain's weight stream keeps L2 and memory busy). Prints microseconds per round and the stream's
+16-byte loads that skip L1 (as the chain's weight stream keeps L2 and memory busy). Prints microseconds per round and the stream's
 bandwidth, and writes `sync-floor-cuda-<date>.json`. Needs CUDA and nvcc.
 """
 
@@ -68,6 +68,9 @@ def run(lib, mode: str, rounds: int, stream: torch.Tensor | None, device: torch.
                                 None if stream is None else stream.data_ptr(),
                                 0 if stream is None else stream.numel() // 16, out.data_ptr(),
                                 torch.cuda.current_stream(device).cuda_stream)
+    if err == -1:
+        raise RuntimeError(f"sync_floor: {grid} blocks cannot all be resident at once, or rounds {rounds} is not in "
+                           "1..65535 (a word holds the round in 16 bits)")
     if err:
         raise RuntimeError(f"sync_floor launch failed: CUDA error {err}")
     torch.cuda.synchronize(device)
@@ -81,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 2000}),
                             (("--repeats",), {"type": int, "default": 5}))
     if args is None:
+        return 2
+    if not 1 <= args.rounds <= 65535 or args.repeats < 1:
+        print(f"error: --rounds: must be 1..65535 (got {args.rounds}); --repeats >= 1 (got {args.repeats})",
+              file=sys.stderr)
         return 2
     device = torch.device("cuda")
     lib = library()
