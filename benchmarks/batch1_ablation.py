@@ -85,18 +85,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for name, runs in tpot.items():
         med = statistics.median(runs)
-        rows.append([name, med * 1e3, med / base, (base - med) / LAYERS * 1e6, " ".join(f"{x * 1e3:.3f}" for x in runs)])
+        rows.append([name, med * 1e3, med / base, (base - med) / LAYERS * 1e6,
+                     " ".join(f"{x * 1e3:.3f}" for x in runs)])
     print(format_table(["left out", "TPOT median ms", "x default", "saved per layer us", "every run (ms)"], rows))
     report = {**report_header(device), "workload": {"prompt_len": 512, "new_tokens": 256, "rounds": args.rounds},
               "variants": {name: list(parts) for name, parts in VARIANTS.items()},
-              "plan": llms_plan(llms), "tpot_s": tpot,
+              "plan": next(iter(llms.values())).engine.plan.as_dict(), "tpot_s": tpot,
               "tpot_median_s": {name: statistics.median(v) for name, v in tpot.items()}}
     write_report(report, args.out, f"batch1-ablation-cuda-{datetime.date.today()}")
     return 0
-
-
-def llms_plan(llms: dict) -> dict:
-    return next(iter(llms.values())).engine.plan.as_dict()
 
 
 if __name__ == "__main__":

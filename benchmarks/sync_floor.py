@@ -9,21 +9,18 @@ bandwidth. This asks what the wait costs with nothing else in it: one block per 
 block 0 to the last block and back (a round trip per round), `all-gather` has every block write one 128-byte line of
 words and then wait, with 256 threads polling 16-byte loads, for every block's line (one product's dependency per
 round, without the product), `counter` has every block write its line, count itself in on one counter and wait
-for the count before it loads every line (a grid barrier, then the input). Each with the other 256 threads of every block idle, or streaming a 1 GiB buffer with
-16-byte loads that skip L1 (as the chain's weight stream keeps L2 and memory busy). Prints microseconds per round and the stream's
-bandwidth, and writes `sync-floor-cuda-<date>.json`. Needs CUDA and nvcc.
+for the count before it loads every line (a grid barrier, then the input). Each with the other 256 threads of every
+block idle, or streaming a 1 GiB buffer with 16-byte loads that skip L1 (as the chain's weight stream keeps L2 and
+memory busy). Prints microseconds per round and the stream's bandwidth, and writes `sync-floor-cuda-<date>.json`.
+Needs CUDA and nvcc.
 """
 
 from __future__ import annotations
 
 import ctypes
 import datetime
-import hashlib
-import os
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -31,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minirt.bench import cuda_script_args, report_header, write_report  # noqa: E402
 from minirt.kernels import num_sms  # noqa: E402
-from minirt.kernels.gemv_chain_cuda import nvcc  # noqa: E402
+from minirt.kernels.gemv_chain_cuda import build_library  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 SOURCE = Path(__file__).with_name("sync_floor.cu")
@@ -41,19 +38,7 @@ LINE = 32
 
 
 def library() -> ctypes.CDLL:
-    source = SOURCE.read_bytes()
-    flags = ["-O3", "-arch=sm_90", "-std=c++17"]
-    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt"))
-    path = cache / f"sync_floor-{key}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            built = Path(tmp, path.name)
-            subprocess.run([nvcc() or "nvcc", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(built), str(SOURCE)],
-                           check=True)
-            os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
+    lib = build_library(SOURCE, ["-O3", "-arch=sm_90", "-std=c++17"], "sync_floor")
     lib.minirt_sync_floor.restype = ctypes.c_int
     lib.minirt_sync_floor.argtypes = [ctypes.c_int] * 3 + [ctypes.c_void_p] * 3 + [ctypes.c_ulonglong] + \
         [ctypes.c_void_p] * 2

@@ -126,28 +126,33 @@ def nvcc() -> str | None:
     return shutil.which("nvcc")
 
 
-@functools.lru_cache(maxsize=None)
-def library(arch: str = "sm_90", stage_bytes: int = STAGE_BYTES, weights_evict_first: bool = False) -> ctypes.CDLL:
-    """The kernel built with nvcc for `arch` and stages of `stage_bytes` (and, with `weights_evict_first`, the weights'
-    copies asking L2 to evict them first) into a shared library, cached by the source's hash and flags under
-    $MINIRT_CACHE (default ~/.cache/minirt) and loaded with ctypes; with line info (for Nsight Compute's source
-    view). A few seconds the first time. Raises RuntimeError with nvcc's output if the build fails."""
-    source = SOURCE.read_bytes()
-    flags = ["-O3", f"-arch={arch}", "-std=c++17", "-lineinfo", f"-DMINIRT_STAGE_BYTES={stage_bytes}",
-             f"-DMINIRT_WEIGHTS_EVICT_FIRST={int(weights_evict_first)}"]
-    key = hashlib.sha256(source + " ".join(flags).encode()).hexdigest()[:16]
+def build_library(source: Path, flags: list[str], name: str) -> ctypes.CDLL:
+    """`source` (CUDA C++) built by nvcc with `flags` into a shared library and loaded with ctypes; cached under
+    $MINIRT_CACHE (default ~/.cache/minirt) as `name-<hash of the source and flags>.so`, so a changed source or flag
+    builds anew. Raises RuntimeError with nvcc's output if the build fails."""
+    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt"))
-    path = cache / f"gemv_chain_cuda-{arch}-{key}.so"
+    path = cache / f"{name}-{key}.so"
     if not path.exists():
         cache.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=cache) as tmp:      # built aside, then renamed: no half-written file
             built = Path(tmp, path.name)
-            cmd = [nvcc() or "nvcc", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(built), str(SOURCE)]
+            cmd = [nvcc() or "nvcc", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(built), str(source)]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode:
                 raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{done.stdout}{done.stderr}")
             os.replace(built, path)
-    lib = ctypes.CDLL(str(path))
+    return ctypes.CDLL(str(path))
+
+
+@functools.lru_cache(maxsize=None)
+def library(arch: str = "sm_90", stage_bytes: int = STAGE_BYTES, weights_evict_first: bool = False) -> ctypes.CDLL:
+    """The kernel built with nvcc for `arch` and stages of `stage_bytes` (and, with `weights_evict_first`, the weights'
+    copies asking L2 to evict them first) by `build_library`, with line info (for Nsight Compute's source view). A
+    few seconds the first time. Raises RuntimeError with nvcc's output if the build fails."""
+    flags = ["-O3", f"-arch={arch}", "-std=c++17", "-lineinfo", f"-DMINIRT_STAGE_BYTES={stage_bytes}",
+             f"-DMINIRT_WEIGHTS_EVICT_FIRST={int(weights_evict_first)}"]
+    lib = build_library(SOURCE, flags, f"gemv_chain_cuda-{arch}")
     lib.minirt_gemv_chain_launch.restype = ctypes.c_int
     lib.minirt_gemv_chain_launch.argtypes = (
         [ctypes.c_void_p, ctypes.c_int] + [ctypes.c_void_p] * 10
