@@ -425,71 +425,11 @@ def chain_sweep(out_dir: str) -> None:
                  f"gemv-chain-cuda-{datetime.date.today()}")
 
 
-def resident_candidates() -> dict[int, list]:
-    """Resident tiles (`GemvConfig.resident`: each program's whole share of W loaded before the PDL wait) per GEMV of
-    LAYER: about one or two programs per SM, 4 to 16 warps."""
-    R = G.GemvConfig
-    return {0: [R(16, 1024, 1, 8, True), R(32, 1024, 1, 16, True), R(8, 1024, 1, 4, True)],
-            1: [R(8, 1024, 1, 8, True), R(4, 1024, 1, 4, True), R(8, 2048, 1, 8, True)],
-            2: [R(16, 1024, 1, 16, True), R(8, 1024, 1, 4, True), R(8, 1024, 1, 8, True)],
-            3: [R(8, 1024, 1, 16, True), R(4, 1024, 1, 4, True), R(8, 1024, 1, 8, True)]}
-
-
-def resident_sweep(out_dir: str) -> None:
-    """`layer_chain` with PDL: the default tiles, then resident tiles for all four GEMVs at once (each GEMV's first,
-    second, third candidate), then one GEMV at a time with the others at their defaults; each chain's output against
-    the default chain's (one eager step). Writes `gemv-resident-cuda-<date>.json`."""
-    device = torch.device("cuda")
-    layer_bytes = sum(k * n for _, k, n, _ in LAYER) * DTYPE.itemsize
-    bandwidth = copy_bandwidth(device, 1 << 30)
-    ideal = layer_bytes / bandwidth["bytes_per_s"] * 1e6
-    report = {"layer_bytes": layer_bytes, "bandwidth": bandwidth, "ideal_us_per_layer": ideal, "runs": []}
-    cands = resident_candidates()
-    reference = layer_chain_output_with({})
-
-    def measure(name: str, configs: dict) -> None:
-        try:
-            us = layer_chain(True, configs)
-            diff = rel(layer_chain_output_with(configs), reference)
-        except Exception as err:                          # e.g. out of resources
-            print(f"{name}: {type(err).__name__}: {str(err)[:160]}", flush=True)
-            report["runs"].append({"name": name, "error": str(err)[:300]})
-            return
-        report["runs"].append({"name": name, "configs": {LAYER[i][0]: tuple(c) for i, c in configs.items()},
-                               "us_per_layer": us, "rel_diff_vs_default": diff})
-        print(f"{name:40s} {us:6.2f} us per layer  (diff {diff:.1e})", flush=True)
-
-    print(f"weights per layer {layer_bytes / 1e6:.1f} MB: {ideal:.2f} us at the copy bandwidth")
-    for rnd in range(2):                                   # the default twice: before and after, for drift
-        measure(f"default (run {rnd + 1})", {})
-        for j in range(3):
-            measure(f"all resident, candidates {j}", {i: c[j] for i, c in cands.items()})
-        if rnd == 0:
-            for i, c in cands.items():
-                for j, cfg in enumerate(c):
-                    measure(f"only {LAYER[i][0]} {j}", {i: cfg})
-    write_report({**report_header(device), **report}, out_dir, f"gemv-resident-cuda-{datetime.date.today()}")
-
-
-def layer_chain_output_with(configs: dict) -> torch.Tensor:
-    """`layer_chain`'s step run once eagerly with PDL and `configs`: its output after NUM_LAYERS layers."""
-    weights, norm_w, x = chain_inputs()
-    stream = None
-    for ws in weights:
-        qkv, stream = G.linear_gemv(x, ws[0], config=configs.get(0), norm_weight=norm_w, residual=stream, pdl=True)
-        o = G.linear_gemv(qkv[:, :K_O], ws[1], config=configs.get(1), pdl=True)
-        act, stream = G.linear_gemv(o, ws[2], config=configs.get(2), silu_and_mul=True, norm_weight=norm_w,
-                                    residual=stream, pdl=True)
-        x = G.linear_gemv(act, ws[3], config=configs.get(3), pdl=True)
-    return x
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--chain", action="store_true", help="a decode step's GEMV chain, with and without PDL")
     ap.add_argument("--cuda-chain", action="store_true", help="the chain in one persistent CUDA launch")
-    ap.add_argument("--resident", action="store_true", help="the chain with resident tiles (weights before the wait)")
     ap.add_argument("--cuda-chain-launches", type=int, metavar="N",
                     help="only launch the CUDA chain N times, eagerly, for a profiler (ncu) to pick one")
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
@@ -508,9 +448,6 @@ def main():
         return 0
     if args.cuda_chain:
         cuda_chain_sweep(args.out)
-        return 0
-    if args.resident:
-        resident_sweep(args.out)
         return 0
     if args.cuda_chain_launches:
         from minirt.kernels.gemv_chain_cuda import gemv_chain_layers

@@ -37,7 +37,6 @@ PROGRAMS_PER_SM = 2     # fewer programs leave multiprocessors idle or too few b
 MAX_SPLIT_K = 8
 NUM_WARPS = 4
 L2_PREFETCH_CHUNK = 16384   # bytes per bulk prefetch request (`l2_prefetch_table`)
-RESIDENT_CHUNKS = 4         # `_gemv_resident_kernel` holds at most this many block_k-wide chunks of its rows
 
 
 class GemvConfig(NamedTuple):
@@ -45,8 +44,6 @@ class GemvConfig(NamedTuple):
     block_k: int
     split_k: int = 1
     num_warps: int = NUM_WARPS
-    resident: bool = False      # `_gemv_resident_kernel`: a program's whole share of W (up to RESIDENT_CHUNKS x block_k
-                                # columns) loaded before the PDL wait
 
 
 @triton.jit
@@ -153,97 +150,6 @@ def _store_rows(y, up, rows, row_ok, Bias, Out, N, HAS_BIAS: tl.constexpr, SILU_
         up = up.to(Out.dtype.element_ty).to(tl.float32)
         y = gate * tl.sigmoid(gate) * up
     tl.store(Out + rows, y.to(Out.dtype.element_ty), mask=row_ok)
-
-
-@triton.jit
-def _resident_x(X, Res, NormW, Stream, start, K, stride_x, tile, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
-                HAS_RESIDUAL: tl.constexpr):
-    """Columns `start ... start + BLOCK_K` of the GEMV's input as `_gemv_rows` prepares it (the residual added and
-    kept by program 0, times the norm's weight), float32, and the sum of their squares (NORM)."""
-    cols = start + tl.arange(0, BLOCK_K)
-    k_ok = cols < K
-    x = tl.load(X + cols * stride_x, mask=k_ok, other=0.0)
-    if HAS_RESIDUAL:
-        x = (x.to(tl.float32) + tl.load(Res + cols, mask=k_ok, other=0.0).to(tl.float32)).to(X.dtype.element_ty)
-        if tile == 0:
-            tl.store(Stream + cols, x, mask=k_ok)
-    xf = x.to(tl.float32)
-    sum_sq = tl.sum(xf * xf, axis=0)
-    if NORM:
-        xf = xf * tl.load(NormW + cols, mask=k_ok, other=0.0).to(tl.float32)
-    return xf, sum_sq
-
-
-@triton.jit
-def _dot_chunk(w, xf):
-    return tl.sum(w.to(tl.float32) * xf[None, :], axis=1)
-
-
-@triton.jit
-def _gemv_resident_kernel(X, W, Bias, Out, Res, NormW, Stream, N, K, stride_x, eps,
-                          HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, CHUNKS: tl.constexpr,
-                          SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-                          PDL: tl.constexpr):
-    """`_gemv_kernel`'s product with each program's whole share of W (BLOCK_N rows, CHUNKS x BLOCK_K >= K columns;
-    with SILU_AND_MUL their up rows too) loaded into registers before the PDL wait: the loads are in flight while
-    the kernels before finish, and after the wait only x is read."""
-    tile = tl.program_id(0)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
-    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < N
-    cols = tl.arange(0, BLOCK_K)
-    w_at = W + rows.to(tl.int64)[:, None] * K + cols[None, :]
-    u_at = W + (rows + N).to(tl.int64)[:, None] * K + cols[None, :]      # SILU_AND_MUL: the up rows, N rows on
-    m0 = row_ok[:, None] & (cols < K)[None, :]
-    w0 = tl.load(w_at, mask=m0, other=0.0)
-    if SILU_AND_MUL:
-        u0 = tl.load(u_at, mask=m0, other=0.0)
-    if CHUNKS > 1:
-        m1 = row_ok[:, None] & (cols + BLOCK_K < K)[None, :]
-        w1 = tl.load(w_at + BLOCK_K, mask=m1, other=0.0)
-        if SILU_AND_MUL:
-            u1 = tl.load(u_at + BLOCK_K, mask=m1, other=0.0)
-    if CHUNKS > 2:
-        m2 = row_ok[:, None] & (cols + 2 * BLOCK_K < K)[None, :]
-        w2 = tl.load(w_at + 2 * BLOCK_K, mask=m2, other=0.0)
-        if SILU_AND_MUL:
-            u2 = tl.load(u_at + 2 * BLOCK_K, mask=m2, other=0.0)
-    if CHUNKS > 3:
-        m3 = row_ok[:, None] & (cols + 3 * BLOCK_K < K)[None, :]
-        w3 = tl.load(w_at + 3 * BLOCK_K, mask=m3, other=0.0)
-        if SILU_AND_MUL:
-            u3 = tl.load(u_at + 3 * BLOCK_K, mask=m3, other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()                          # x and the residual are the kernel before's output
-    xf, sum_sq = _resident_x(X, Res, NormW, Stream, 0, K, stride_x, tile, BLOCK_K, NORM, HAS_RESIDUAL)
-    y = _dot_chunk(w0, xf)
-    up = y
-    if SILU_AND_MUL:
-        up = _dot_chunk(u0, xf)
-    if CHUNKS > 1:
-        xf, sq = _resident_x(X, Res, NormW, Stream, BLOCK_K, K, stride_x, tile, BLOCK_K, NORM, HAS_RESIDUAL)
-        sum_sq += sq
-        y += _dot_chunk(w1, xf)
-        if SILU_AND_MUL:
-            up += _dot_chunk(u1, xf)
-    if CHUNKS > 2:
-        xf, sq = _resident_x(X, Res, NormW, Stream, 2 * BLOCK_K, K, stride_x, tile, BLOCK_K, NORM, HAS_RESIDUAL)
-        sum_sq += sq
-        y += _dot_chunk(w2, xf)
-        if SILU_AND_MUL:
-            up += _dot_chunk(u2, xf)
-    if CHUNKS > 3:
-        xf, sq = _resident_x(X, Res, NormW, Stream, 3 * BLOCK_K, K, stride_x, tile, BLOCK_K, NORM, HAS_RESIDUAL)
-        sum_sq += sq
-        y += _dot_chunk(w3, xf)
-        if SILU_AND_MUL:
-            up += _dot_chunk(u3, xf)
-    if NORM:
-        rstd = tl.rsqrt(sum_sq / K + eps)
-        y = y * rstd
-        up = up * rstd
-    _store_rows(y, up, rows, row_ok, Bias, Out, N, HAS_BIAS, SILU_AND_MUL)
 
 
 @triton.jit
@@ -382,20 +288,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     xv = x.reshape(k)                                      # a view: one row has a single stride along K
     has_bias = bias is not None
     part = torch.empty(cfg.split_k, n, dtype=torch.float32, device=x.device) if cfg.split_k > 1 else out
-    launch = {"launch_pdl": True} if pdl else {}
-    if cfg.resident:
-        chunks = triton.cdiv(k, cfg.block_k)
-        if cfg.split_k != 1 or chunks > RESIDENT_CHUNKS or l2_prefetch is not None:
-            raise ValueError(f"config: a resident config needs split_k=1, K <= {RESIDENT_CHUNKS} x block_k and no "
-                             f"l2_prefetch, got {tuple(cfg)} for K={k}")
-        _gemv_resident_kernel[(triton.cdiv(n, cfg.block_n),)](
-            xv, weight, bias if has_bias else out, out, residual if residual is not None else out,
-            norm_weight if norm_weight is not None else out, stream, n, k, xv.stride(0), eps,
-            HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, CHUNKS=chunks, SILU_AND_MUL=silu_and_mul,
-            NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl, num_warps=cfg.num_warps,
-            **launch)
-        return out if norm_weight is None else (out, stream)
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
+    launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[grid](
         xv, weight, bias if has_bias else out, out, part,
         residual if residual is not None else out, norm_weight if norm_weight is not None else out, stream,
