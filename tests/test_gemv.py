@@ -247,10 +247,21 @@ def test_gemv_argument_errors():
         linear_gemv(torch.randn(1, 16), torch.randn(7, 16), silu_and_mul=True)
     from minirt.kernels.gemv_triton import GemvConfig
 
-    with pytest.raises(ValueError, match=r"^config: silu_and_mul and norm_weight never split K"):
+    with pytest.raises(ValueError, match=r"^config: silu_and_mul, norm_weight and argmax_key never split K"):
         linear_gemv(torch.randn(1, 16), w, config=GemvConfig(1, 16, 2), silu_and_mul=True)
-    with pytest.raises(ValueError, match=r"^config: silu_and_mul and norm_weight never split K"):
+    with pytest.raises(ValueError, match=r"^config: silu_and_mul, norm_weight and argmax_key never split K"):
         linear_gemv(torch.randn(1, 16), w, config=GemvConfig(1, 16, 2), norm_weight=torch.ones(16))
+    key = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"^config: silu_and_mul, norm_weight and argmax_key never split K"):
+        linear_gemv(torch.randn(1, 16), w, config=GemvConfig(1, 16, 2), argmax_key=key)
+    with pytest.raises(ValueError, match=r"^argmax_key: must be an int64 \[1\] tensor on cpu, got torch.int32"):
+        linear_gemv(torch.randn(1, 16), w, argmax_key=key.int())
+    with pytest.raises(ValueError, match=r"^argmax_key: must be an int64 \[1\] tensor on cpu, got torch.int64 \(2,\)"):
+        linear_gemv(torch.randn(1, 16), w, argmax_key=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"^argmax_key: the argmax of a SiLU-and-multiply product is not a sampler's"):
+        linear_gemv(torch.randn(1, 16), w, silu_and_mul=True, argmax_key=key)
+    with pytest.raises(ValueError, match=r"^weight: the argmax needs at least one row, got none"):
+        linear_gemv(torch.randn(1, 16), torch.randn(0, 16), argmax_key=key)
     with pytest.raises(ValueError, match=r"^norm_weight: must be a contiguous \[16\]"):
         linear_gemv(torch.randn(1, 16), w, norm_weight=torch.ones(8))
     with pytest.raises(ValueError, match=r"^residual: is added in the norm's prologue, so it needs norm_weight"):
@@ -263,6 +274,123 @@ def test_gemv_argument_errors():
         linear_gemv(torch.randn(1, 16), w, pdl=True)
     with pytest.raises(ValueError, match=r"^l2_prefetch: the bulk prefetch into L2 needs a CUDA device \(got cpu\)"):
         linear_gemv(torch.randn(1, 16), w, l2_prefetch=torch.zeros(1, 2, dtype=torch.int64))
+
+
+def check_argmax(k, n, with_bias, norm, dtype, device, config=None, seed=0, pdl=False, ties=()):
+    """linear_gemv with argmax_key against torch.argmax of the logits linear_gemv returns for the same call without
+    it (the tokens a greedy step took before the argmax moved into the epilogue): the same index, an int64 of x's
+    leading shape, and the key back at 0. ties: pairs (i, j), row j made a copy of row i, so that their logits are
+    equal and the first must win."""
+    from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 1, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5)
+    b = torch.randn(n, generator=gen) if with_bias else None
+    for i, j in ties:
+        w[j] = w[i]
+        if b is not None:
+            b[j] = b[i]
+    w, b = w.to(dtype).to(device), None if b is None else b.to(dtype).to(device)
+    kw = dict(config=GemvConfig(*config) if config else None, pdl=pdl)
+    if norm:
+        kw.update(norm_weight=(1 + 0.3 * torch.randn(k, generator=gen)).to(dtype).to(device),
+                  residual=torch.randn(1, 1, k, generator=gen).to(dtype).to(device))
+    key = torch.zeros(1, dtype=torch.int64, device=device)
+    got = linear_gemv(x, w, b, argmax_key=key, **kw)
+    logits = linear_gemv(x, w, b, **kw)
+    if norm:
+        (got, stream), (logits, ref_stream) = got, logits
+        assert torch.equal(stream, ref_stream)
+    want = logits.argmax(dim=-1)
+    assert got.shape == want.shape == (1, 1) and got.dtype == torch.int64 and got.device == x.device
+    assert torch.equal(got, want), (got, want, logits.max())
+    assert key.item() == 0
+    for i, j in ties:
+        if want.item() in (i, j):
+            assert got.item() == i
+    return got
+
+
+ARGMAX_CASES = [(100, 7), (256, 64), (200, 133)]      # (K, N); a tail tile, and programs that end on N
+
+
+@pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_bias,norm", [(False, False), (True, True)], ids=["plain", "bias-norm"])
+@pytest.mark.parametrize("config", [None, (1, 64, 1, 1), (16, 16, 1, 1)], ids=str)
+@pytest.mark.parametrize("k,n", ARGMAX_CASES)
+def test_gemv_argmax_interpreter(k, n, with_bias, norm, config, dtype):
+    check_argmax(k, n, with_bias, norm, dtype, "cpu", config)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("with_bias,norm", [(False, False), (True, True)], ids=["plain", "bias-norm"])
+@pytest.mark.parametrize("k,n", ARGMAX_CASES + [(1000, 333), (1024, 151936)])
+def test_gemv_argmax_cuda(k, n, with_bias, norm, dtype):
+    check_argmax(k, n, with_bias, norm, dtype, "cuda")
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemv_argmax_takes_the_first_of_equal_logits(dtype):
+    """Equal logits in rows of different programs (8-row tiles: rows 3 and 60, 5 and 6 in one) and the largest
+    among negative ones: the lowest row wins, as torch.argmax's."""
+    from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
+
+    device = "cuda" if CUDA else "cpu"
+    for seed in range(4):
+        gen = torch.Generator().manual_seed(seed)
+        best = int(torch.randint(0, 64, (1,), generator=gen))
+        ties = [(best, 60 if best < 60 else 2), (5, 6)]
+        check_argmax(32, 64, False, False, dtype, device, (8, 32, 1, 1), seed, ties=ties)
+    key = torch.zeros(1, dtype=torch.int64, device=device)
+    x = torch.ones(1, 16, dtype=dtype, device=device)
+    w = torch.zeros(64, 16, dtype=dtype, device=device)
+    assert linear_gemv(x, w, argmax_key=key, config=GemvConfig(8, 16, 1, 1)).item() == 0    # all logits 0
+    w -= torch.arange(64, 0, -1, device=device).to(dtype)[:, None]      # all negative, the last row largest
+    w[40] = w[63]
+    assert linear_gemv(x, w, argmax_key=key, config=GemvConfig(8, 16, 1, 1)).item() == 40
+    w.zero_()                    # float32 sums 2 and 2 + 2**-7: equal once rounded to bf16 (to even), so row 3 wins
+    w[3, :2], w[40, 0], w[40, 1] = 1.0, 1.0, 1 + 2 ** -7
+    want = linear_gemv(x, w).argmax(dim=-1).item()
+    assert want == (3 if dtype == torch.bfloat16 else 40)
+    assert linear_gemv(x, w, argmax_key=key, config=GemvConfig(8, 16, 1, 1)).item() == want
+    assert key.item() == 0
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+def test_gemv_argmax_in_cuda_graph_with_pdl():
+    """The LM head's shape with its argmax in a CUDA graph, launched with PDL behind a GEMV whose output is its x:
+    every replay, on new inputs, gives torch.argmax of the same chain's logits (the key is 0 again after each)."""
+    if missing := pdl_missing_here():
+        pytest.skip(f"PDL needs {missing}")
+    from minirt.kernels.gemv_triton import linear_gemv
+
+    gen = torch.Generator().manual_seed(0)
+    w0 = (torch.randn(1024, 1024, generator=gen) / 32).to(torch.bfloat16).cuda()
+    head = (torch.randn(151936, 1024, generator=gen) / 32).to(torch.bfloat16).cuda()
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    key = torch.zeros(1, dtype=torch.int64, device="cuda")
+
+    def step():
+        return linear_gemv(linear_gemv(x, w0, pdl=True), head, argmax_key=key, pdl=True)
+
+    step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        token = step()
+    seen = set()
+    for _ in range(4):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        want = linear_gemv(linear_gemv(x, w0), head).argmax(dim=-1)
+        torch.cuda.synchronize()
+        assert torch.equal(token, want) and key.item() == 0
+        seen.add(want.item())
+    assert len(seen) > 1                                   # the inputs did change the winner
 
 
 def test_prefetch_chunks_cover_each_span_once_in_order():

@@ -57,18 +57,52 @@ def _prefetch_l2(address, size):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefetch, N, K, stride_x, eps,
+def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefetch, Key, N, K, stride_x, eps,
                  HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                 L2_PREFETCH: tl.constexpr):
+                 L2_PREFETCH: tl.constexpr, ARGMAX: tl.constexpr):
     split = tl.program_id(1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()             # the next kernel may start (and load its weights)
     if L2_PREFETCH:     # chunks of the weights the kernels after this one read, asked of L2 by turns
         for chunk in range(tl.program_id(0) * SPLIT_K + split, num_prefetch, tl.num_programs(0) * SPLIT_K):
             _prefetch_l2(tl.load(Prefetch + 2 * chunk), tl.load(Prefetch + 2 * chunk + 1).to(tl.int32))
-    _gemv_rows(tl.program_id(0), split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
-               HAS_BIAS, BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL, "")
+    if ARGMAX:          # the rows' logits are never stored: only the best of them, into Key
+        rows, row_ok, y, _ = _gemv_sums(tl.program_id(0), split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
+                                        BLOCK_N, BLOCK_K, 1, False, NORM, HAS_RESIDUAL, PDL, "")
+        if HAS_BIAS:
+            y += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)
+        _argmax_into(Key, y.to(Out.dtype.element_ty).to(tl.float32), rows, row_ok)
+    else:
+        _gemv_rows(tl.program_id(0), split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
+                   HAS_BIAS, BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL, "")
+
+
+@triton.jit
+def _argmax_into(Key, logits, rows, row_ok):
+    """Fold this program's best logit into `Key` (one int64, read as unsigned): the largest of `logits` `[BLOCK_N]`
+    (float32 values of the output dtype) and its first row, packed so that a larger key means a larger logit and,
+    among equal logits, a lower row, then taken with an atomic maximum. Once every program has run, Key holds the
+    argmax over all rows with torch.argmax's ties (the first index). A float's bits, as an unsigned integer, sort
+    like the float once negatives have all their bits flipped and the others their sign bit set."""
+    logits = tl.where(row_ok, logits, float("-inf"))
+    best = tl.max(logits, axis=0)
+    first = tl.min(tl.where(logits == best, rows, 2147483647), axis=0)
+    bits = (best + 0.0).to(tl.int32, bitcast=True)        # + 0.0: -0.0 becomes +0.0, so equal logits pack equally
+    ordered = tl.where(bits < 0, ~bits, bits | -2147483648).to(tl.uint32, bitcast=True)
+    key = (ordered.to(tl.uint64) << 32) | (4294967295 - first.to(tl.int64)).to(tl.uint64)
+    tl.atomic_max(Key.to(tl.pointer_type(tl.uint64)), key, sem="relaxed")
+
+
+@triton.jit
+def _argmax_finish_kernel(Key, Token, PDL: tl.constexpr):
+    """Token = the row packed in Key (`_argmax_into`); Key back to 0 for the next product."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()                          # every program of the product has folded its key in
+    key = tl.load(Key)
+    tl.store(Token, 4294967295 - (key & 4294967295))
+    tl.store(Key, 0)
 
 
 @triton.jit
@@ -80,6 +114,20 @@ def _gemv_rows(tile, split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, str
     called by the persistent `minirt.kernels.gemv_chain_triton` kernel for each tile it takes. X_CACHE: the cache
     modifier of the loads of x and the residual ("" or ".cg", which reads through L2: data another program of the
     same launch wrote)."""
+    rows, row_ok, y, up = _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps, BLOCK_N, BLOCK_K,
+                                     SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL, X_CACHE)
+    if SPLIT_K == 1:
+        _store_rows(y, up, rows, row_ok, Bias, Out, N, HAS_BIAS, SILU_AND_MUL)
+    else:
+        tl.store(Part + split * N + rows, y, mask=row_ok)
+
+
+@triton.jit
+def _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU_AND_MUL: tl.constexpr,
+               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, X_CACHE: tl.constexpr):
+    """`_gemv_rows`' sums: (rows, rows < N, the rows' float32 dot products with the norm's scale applied, the up rows'
+    (SILU_AND_MUL; else the first again)); split `split`'s share of them when SPLIT_K > 1."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows.to(tl.int64)[:, None] * K          # int64: N * K can pass 2**31 (a large vocabulary)
@@ -124,15 +172,12 @@ def _gemv_rows(tile, split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, str
     if NORM:
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
         y = y * rstd
-    if SPLIT_K == 1:
-        up = y
-        if SILU_AND_MUL:
-            up = tl.sum(acc_up, axis=1)
-            if NORM:
-                up = up * rstd
-        _store_rows(y, up, rows, row_ok, Bias, Out, N, HAS_BIAS, SILU_AND_MUL)
-    else:
-        tl.store(Part + split * N + rows, y, mask=row_ok)
+    up = y
+    if SILU_AND_MUL:
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up * rstd
+    return rows, row_ok, y, up
 
 
 @triton.jit
@@ -212,7 +257,7 @@ def prefetch_chunks(spans: list[tuple[int, int]], chunk_bytes: int) -> list[tupl
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 config: GemvConfig | None = None, silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False,
-                l2_prefetch: torch.Tensor | None = None):
+                l2_prefetch: torch.Tensor | None = None, argmax_key: torch.Tensor | None = None):
     """`torch.nn.functional.linear(x, weight, bias)` for one row: x `[..., K]` with x.numel() == K, weight
     `[N, K]` contiguous, bias `[N]` or None -> `[..., N]` in x.dtype, accumulated in float32.
 
@@ -236,6 +281,12 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     later kernel reads stream in from memory while this one leaves the memory bus partly idle; that kernel then
     finds them in L2 (the weight streaming of persistent "megakernels", one kernel early). A hint: the result
     does not change.
+    argmax_key: None, or an int64 `[1]` tensor on x's device holding 0: the call returns the argmax of the row's
+    logits, int64 `[...]` (x's leading dims; ties to the first index, as `torch.argmax`), in place of the logits,
+    which never go to memory: each program folds its best logit and row into argmax_key with an atomic maximum, and
+    a one-program kernel after the product reads the winner and sets argmax_key back to 0 (greedy sampling in the
+    LM head's epilogue; the logits compared are those the call would return, rounded to x.dtype). Not with
+    silu_and_mul, or config's split_k > 1.
     config: block sizes (None: `choose_config`). No host syncs: safe inside a CUDA graph capture.
     Raises ValueError naming the argument for shapes, strides, dtypes or devices that do not fit."""
     if x.dim() == 0 or math.prod(x.shape[:-1]) != 1:
@@ -262,9 +313,17 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if n % 2:
             raise ValueError(f"weight: silu_and_mul needs gate and up rows, an even count, got {n}")
         n //= 2
-    whole_k = silu_and_mul or norm_weight is not None
+    if argmax_key is not None:
+        if (argmax_key.dtype != torch.int64 or tuple(argmax_key.shape) != (1,) or argmax_key.device != x.device):
+            raise ValueError(f"argmax_key: must be an int64 [1] tensor on {x.device}, got {argmax_key.dtype} "
+                             f"{tuple(argmax_key.shape)} on {argmax_key.device}")
+        if silu_and_mul:
+            raise ValueError("argmax_key: the argmax of a SiLU-and-multiply product is not a sampler's; give one or "
+                             "the other")
+    whole_k = silu_and_mul or norm_weight is not None or argmax_key is not None
     if whole_k and config is not None and config.split_k > 1:
-        raise ValueError(f"config: silu_and_mul and norm_weight never split K, got split_k={config.split_k}")
+        raise ValueError(f"config: silu_and_mul, norm_weight and argmax_key never split K, got "
+                         f"split_k={config.split_k}")
     if pdl or l2_prefetch is not None:
         from minirt.kernels import pdl_missing
 
@@ -278,7 +337,10 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                          f"(l2_prefetch_table), got {l2_prefetch.dtype} {tuple(l2_prefetch.shape)} on "
                          f"{l2_prefetch.device}")
 
-    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device)
+    if argmax_key is not None and n == 0:
+        raise ValueError("weight: the argmax needs at least one row, got none")
+    out = torch.empty(*x.shape[:-1], n, dtype=x.dtype, device=x.device) if argmax_key is None else \
+        torch.empty(x.shape[:-1], dtype=torch.int64, device=x.device)
     stream = x if residual is None else torch.empty_like(x)
     if n == 0:
         if residual is not None:
@@ -291,13 +353,15 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[grid](
-        xv, weight, bias if has_bias else out, out, part,
-        residual if residual is not None else out, norm_weight if norm_weight is not None else out, stream,
+        xv, weight, bias if has_bias else out, out if argmax_key is None else x, part,   # argmax: Out only gives
+        residual if residual is not None else out, norm_weight if norm_weight is not None else out, stream,  # a dtype
         l2_prefetch if l2_prefetch is not None else out, 0 if l2_prefetch is None else l2_prefetch.shape[0],
-        n, k, xv.stride(0), eps,
+        argmax_key if argmax_key is not None else out, n, k, xv.stride(0), eps,
         HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         SILU_AND_MUL=silu_and_mul, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
-        L2_PREFETCH=l2_prefetch is not None, num_warps=cfg.num_warps, **launch)
+        L2_PREFETCH=l2_prefetch is not None, ARGMAX=argmax_key is not None, num_warps=cfg.num_warps, **launch)
+    if argmax_key is not None:
+        _argmax_finish_kernel[(1,)](argmax_key, out, PDL=pdl, num_warps=1, **launch)
     if cfg.split_k > 1:
         _sum_splits_kernel[(triton.cdiv(n, 1024),)](part, bias if has_bias else out, out, n,
                                                     HAS_BIAS=has_bias, SPLIT_K=cfg.split_k, BLOCK=1024, PDL=pdl,
