@@ -4,7 +4,8 @@
 
 Builds the `minirt.LLM` of `ab.py` (default plan, bfloat16) on the random Qwen3-0.6B-shaped checkpoint, warms it up,
 then generates once (512-token prompt) under `torch.profiler` with CUDA activity. Kernels launched from a CUDA graph
-are recorded one by one. A step is cut at each greedy argmax (`ArgMax` in the kernel's name); for the last three
+are recorded one by one. A step is cut at each greedy argmax (torch's `ArgMax` kernel, or `_argmax_finish_kernel` where
+the argmax is in the LM head's GEMV, argmax_in_gemv); for the last three
 complete steps it lists every kernel that is not one of the 28 layers' repeated kernels in order, with its start
 against the step's first kernel, its duration and the gap since the kernel before it ended (negative where
 programmatic dependent launch overlaps them), and sums each kernel name's time per step. With PDL the kernels
@@ -43,7 +44,7 @@ def steps_of(kernels: list[tuple[str, float, float]]) -> list[list[tuple[str, fl
     steps, current = [], []
     for k in kernels:
         current.append(k)
-        if "ArgMax" in k[0]:
+        if "ArgMax" in k[0] or "_argmax_finish" in k[0]:
             steps.append(current)
             current = []
     return steps

@@ -17,7 +17,7 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 #: Switches that are True, False or None (None: on where the rules of `minirt.fast.plan` say it pays).
 AUTO_SWITCHES = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl",
                  "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling",
-                 "piecewise_graphs", "async_scheduling", "silu_and_mul_kernel")
+                 "piecewise_graphs", "async_scheduling", "silu_and_mul_kernel", "rotary_cache", "argmax_in_gemv")
 
 
 def _is_int(value) -> bool:
@@ -56,6 +56,9 @@ class EngineConfig:
     between the pieces. async_scheduling: a step with prefill chunks is scheduled and launched before the host takes
     the tokens of the one before (their rows read them on the device); None: with piecewise graphs.
     silu_and_mul_kernel: SwiGLU's SiLU-and-multiply by a Triton kernel (in place of the compiled or eager one).
+    rotary_cache: each step's cos and sin looked up per position in tables filled once (vLLM's cos_sin_cache), not
+    computed. argmax_in_gemv: a greedy one-row step's argmax taken in the LM head GEMV's epilogue, the logits never
+    written.
     """
 
     device: object = None
@@ -86,6 +89,8 @@ class EngineConfig:
     piecewise_graphs: bool | None = None
     async_scheduling: bool | None = None
     silu_and_mul_kernel: bool | None = None
+    rotary_cache: bool | None = None
+    argmax_in_gemv: bool | None = None
     # chapter 09: processes the model is sharded over (`minirt.parallel`; 1: this process only)
     tensor_parallel_size: int = 1
 

@@ -10,7 +10,8 @@ import torch
 import minirt
 from conftest import TRITON_DEVICE, hf_logits, random_prompts
 from minirt.fast import Plan
-from minirt.fast.layers import FastAttention, GemvLinear, NormInGemvLayer, bind_l2_prefetch, speed_up_model
+from minirt.fast.layers import (CachedRotaryEmbedding, FastAttention, GemvLinear, GreedyGemvHead, NormInGemvLayer,
+                                bind_l2_prefetch, speed_up_model)
 from minirt.fast.ops import ModelKernels, gemv_reference, norm_rotate_and_store
 from test_model import _minirt_logits
 
@@ -195,3 +196,74 @@ def test_gemv_linear_one_row_test_counts_rows_not_elements():
     layer = GemvLinear(torch.nn.Linear(0, 4), lambda x, w, b: calls.append(x.shape) or torch.nn.functional.linear(x, w, b))
     assert layer(torch.zeros(5, 0)).shape == (5, 4) and not calls
     assert layer(torch.zeros(1, 1, 0)).shape == (1, 1, 4) and calls == [(1, 1, 0)]
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("fuse", [False, True], ids=["indexed", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cached_rotary_embedding_gives_the_reference_cos_and_sin(tiny_model_path, dtype, fuse, device):
+    """The tables' rows are exactly what `RotaryEmbedding` computes for each position (the first and the last one
+    included), for a decode batch `[B, 1]` and a prompt `[1, T]`; another dtype takes the reference's way."""
+    from minirt.model.layers import RotaryEmbedding
+
+    config = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)[0].config
+    rotary = RotaryEmbedding(config).to(device)
+    cached = CachedRotaryEmbedding(rotary, config.max_position_embeddings, dtype, fuse=fuse)
+    last = config.max_position_embeddings - 1
+    gen = torch.Generator().manual_seed(0)
+    for positions in (torch.tensor([[0], [last], [7]]), torch.randint(0, last + 1, (1, 33), generator=gen)):
+        positions = positions.to(device)
+        for d in (dtype, torch.float16):
+            got, want = cached(positions, d), rotary(positions, d)
+            for g, w in zip(got, want):
+                assert g.dtype == d and g.shape == w.shape == (*positions.shape, w.shape[-1])
+                assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton GEMV kernel needs CUDA or Triton's interpreter")
+def test_greedy_head_and_rotary_cache_with_the_triton_kernels_equal_transformers(tiny_model_path):
+    """With the cos/sin tables and the LM head's argmax in the Triton GEMV's epilogue: a prompt's logits stay those of
+    transformers, a one-token forward's greedy token is transformers' argmax, and two rows are refused."""
+    from minirt.kernels.gemv_triton import linear_gemv
+
+    model, _ = minirt.load_model(tiny_model_path, device=TRITON_DEVICE, dtype=torch.float32)
+    speed_up_model(model, Plan(gemv=True, merge_projections=True, rotary_cache=True, argmax_in_gemv=True),
+                   ModelKernels(gemv=linear_gemv))
+    assert isinstance(model.lm_head, GreedyGemvHead) and isinstance(model.model.rotary_emb, CachedRotaryEmbedding)
+    long_ids = torch.tensor(random_prompts(3, [9]))                 # positions 0-8 from the tables
+    close(_minirt_logits(model, long_ids), hf_logits(tiny_model_path, long_ids))
+    for seed in range(3):
+        ids = torch.tensor(random_prompts(seed, [1]))
+        with torch.no_grad():
+            hidden = model(ids.to(TRITON_DEVICE), torch.zeros_like(ids).to(TRITON_DEVICE))[0]
+            token = model.lm_head.greedy(hidden)
+        assert token.shape == (1,) and token.item() == hf_logits(tiny_model_path, ids)[0, -1].argmax().item()
+        with pytest.raises(ValueError, match=r"^x: greedy takes one row"):
+            model.lm_head.greedy(hidden.expand(2, -1))
+
+
+def test_fast_runner_samples_greedy_one_row_steps_with_the_greedy_head(tiny_model_path):
+    """The runner's greedy sampler sends a one-row step to `GreedyGemvHead.greedy` (its argmax is that of the
+    logits) and a two-row step to the LM head and argmax; sampling requests never go to it."""
+    from minirt.fast.runner import build_model_runner
+    from minirt.request import Request
+    from minirt.sampling import SamplingParams
+
+    model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
+    plan = Plan(gemv=True, merge_projections=True, argmax_in_gemv=True)
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("minirt.fast.layers.model_kernels", lambda plan: ModelKernels(gemv=gemv_reference))
+        runner = build_model_runner(plan, model, num_kv_blocks=8, block_size=4, max_num_seqs=2, max_model_len=32)
+    assert runner.greedy_head is model.lm_head
+    greedy = runner.greedy_head.greedy
+    runner.greedy_head.greedy = lambda x: calls.append(x.shape) or greedy(x)
+    hidden = torch.randn(2, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    logits = torch.nn.functional.linear(hidden, model.lm_head.weight)
+    greedy_request = Request("g", None, [1, 2], SamplingParams(), frozenset())
+    sampling_request = Request("s", None, [1, 2], SamplingParams(temperature=0.8, seed=1), frozenset())
+    assert runner.sample(hidden[:1], [greedy_request]).tolist() == [logits[0].argmax().item()]
+    assert calls == [(1, model.config.hidden_size)]
+    assert runner.sample(hidden, [greedy_request] * 2).tolist() == logits.argmax(-1).tolist()
+    runner.sample(hidden[:1], [sampling_request])
+    assert len(calls) == 1

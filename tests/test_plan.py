@@ -15,13 +15,13 @@ from minirt.fast import Hardware, Plan, resolve_plan
 
 ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
           "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling", "piecewise_graphs",
-          "async_scheduling", "silu_and_mul_kernel")
+          "async_scheduling", "silu_and_mul_kernel", "rotary_cache", "argmax_in_gemv")
 #: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
 #: (cuda_graphs needs the Triton kernel or flash-attn's: `expected` below)
 NEEDS = {"split_kv": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
          "kv_write_in_rotary": ["rotary_kernel"], "combine_in_attention": ["triton", "split_kv"],
          "prefetch_kv": ["pdl", "split_kv", "triton"], "l2_prefetch": ["gemv", "merge_projections"],
-         "piecewise_graphs": ["cuda_graphs"]}
+         "piecewise_graphs": ["cuda_graphs"], "argmax_in_gemv": ["gemv"]}
 NO_FLASH = ("flash-attn-4 or flash-attn installed (pip install flash-attn-4; got ...)",)
 MACHINES = {
     "cpu": Hardware("cpu", ("a CUDA device (got cpu)",), (), ("a CUDA device (got cpu)",), ("a CUDA device (got cpu)",)),
@@ -80,6 +80,10 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
         return "silu_and_mul_kernel"
     on["silu_and_mul_kernel"] = (can_run("silu_and_mul_kernel", hw) and hw.device_type == "cuda"
                                  if asked["silu_and_mul_kernel"] is None else asked["silu_and_mul_kernel"])
+    on["rotary_cache"] = hw.device_type == "cuda" if asked["rotary_cache"] is None else asked["rotary_cache"]
+    if asked["argmax_in_gemv"] is True and not on["gemv"]:
+        return "argmax_in_gemv"
+    on["argmax_in_gemv"] = on["gemv"] if asked["argmax_in_gemv"] is None else asked["argmax_in_gemv"]
     return on
 
 
@@ -113,7 +117,7 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
                         merge_projections=True, gemv=True, num_scheduler_steps=8, norm_in_gemv=True,
                         rotary_kernel=True, pdl=True, kv_write_in_rotary=True, combine_in_attention=False,
                         prefetch_kv=True, l2_prefetch=True, overlap_scheduling=True, piecewise_graphs=True,
-                        async_scheduling=True, silu_and_mul_kernel=True)
+                        async_scheduling=True, silu_and_mul_kernel=True, rotary_cache=True, argmax_in_gemv=True)
     with pytest.raises(Exception):
         plan.gemv = False                                       # frozen: what runs is what the plan says
 
@@ -135,6 +139,8 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
                                  r"num_scheduler_steps > 1 \(off: num_scheduler_steps=None is on only 8 with CUDA"),
     ("piecewise_graphs", True, r"piecewise_graphs: piecewise CUDA graphs for steps with prefill chunks needs CUDA "
                                r"graphs \(off: needs a CUDA device \(got cpu\)"),
+    ("argmax_in_gemv", True, r"argmax_in_gemv: the greedy argmax in the LM head GEMV's epilogue needs gemv \(off: "
+                             r"needs a CUDA device \(got cpu\)"),
     ("norm_in_gemv", True, r"norm_in_gemv: the GEMV's norm prologue needs gemv \(off: needs a CUDA device "
                            r"\(got cpu\)\) and merge_projections \(off: merge_projections=None is on only on CUDA\)"),
 ])

@@ -9,7 +9,9 @@ parameters, by modules that run the same sums with fewer kernels and fewer trips
 * one-row products through a matrix-vector kernel (`GemvLinear`), with SiLU-and-multiply in its epilogue and,
   at batch 1, each layer's norms in its prologue (`NormInGemvLayer`);
 * the q/k norm and rotation in one kernel, optionally writing the K/V cache too (`FastAttention`);
-* each GEMV asking the L2 cache for the next one's weights (`bind_l2_prefetch`).
+* each GEMV asking the L2 cache for the next one's weights (`bind_l2_prefetch`);
+* cos and sin looked up per position in tables filled once (`CachedRotaryEmbedding`);
+* a greedy step's argmax in the LM head GEMV's epilogue (`GreedyGemvHead`).
 
 Which of them run is the plan's (`minirt.fast.plan`); the functions that run them are a `ModelKernels`
 (`minirt.fast.ops`): the Triton kernels by default, torch references in the CPU tests (`gemv_reference`, ...).
@@ -27,7 +29,7 @@ import torch.nn.functional as F
 from minirt.fast.attention import KernelPagedAttention
 from minirt.fast.ops import ModelKernels, fused, model_kernels
 from minirt.model.decoder import DecoderAttention, DecoderLayer, DecoderModel
-from minirt.model.layers import GatedMLP, RMSNorm, add_rms_norm, rms_norm
+from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, rms_norm
 
 def merge_linears(*linears: nn.Linear) -> nn.Linear:
     """One `nn.Linear` whose output is the outputs of `linears` side by side: one GEMM instead of several.
@@ -66,6 +68,51 @@ class GemvLinear(nn.Module):
         if one_row(x):
             return self.gemv(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+class GreedyGemvHead(GemvLinear):
+    """The LM head as a `GemvLinear` (the same weight and bias tensors) that also takes a greedy step for one row:
+    `greedy(x)`, x `[..., in]` with one row -> the argmax of its logits, int64 `[...]` (ties to the first index, as
+    `torch.argmax`), from the GEMV's epilogue (`gemv(..., argmax_key=...)`): the logits never go to memory and no
+    argmax kernel reads them back. The plan's argmax_in_gemv rule."""
+
+    def __init__(self, linear: nn.Linear, gemv: Callable):
+        super().__init__(linear, gemv)
+        self.register_buffer("argmax_key", torch.zeros(1, dtype=torch.int64, device=linear.weight.device),
+                             persistent=False)          # the kernel's scratch: 0 between calls
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        if not one_row(x):
+            raise ValueError(f"x: greedy takes one row, got shape {tuple(x.shape)}")
+        return self.gemv(x, self.weight, self.bias, argmax_key=self.argmax_key)
+
+
+def lookup_cos_sin(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor):
+    """cos_table, sin_table `[P, R]`, positions `[...]` int64 -> their rows at positions, `[..., R]` each."""
+    return cos_table[positions], sin_table[positions]
+
+
+class CachedRotaryEmbedding(RotaryEmbedding):
+    """`RotaryEmbedding` (the same inverse frequencies) whose cos and sin are looked up per position in tables its
+    reference forward filled once, for positions 0 ... max_positions - 1 in `dtype` (vLLM's `cos_sin_cache`): a
+    step then gathers rows, one compiled kernel with `fuse` (`fused`), instead of the product, concatenation, cos,
+    sin, scaling and casts, nine kernels. The same values: each row is what the reference computes for that
+    position. Other dtypes go the reference's way. Positions must lie below max_positions (the engine holds them
+    below max_model_len, at most the model's max_position_embeddings). The plan's rotary_cache rule."""
+
+    def __init__(self, rotary: RotaryEmbedding, max_positions: int, dtype: torch.dtype, fuse: bool):
+        nn.Module.__init__(self)
+        self.register_buffer("inv_freq", rotary.inv_freq, persistent=False)
+        self.attention_scaling, self.dtype = rotary.attention_scaling, dtype
+        cos, sin = rotary(torch.arange(max_positions, device=rotary.inv_freq.device), dtype)
+        self.register_buffer("cos_table", cos, persistent=False)
+        self.register_buffer("sin_table", sin, persistent=False)
+        self.lookup = fused(lookup_cos_sin) if fuse else lookup_cos_sin
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if dtype != self.dtype:
+            return super().forward(positions, dtype)
+        return self.lookup(self.cos_table, self.sin_table, positions)
 
 
 def _with_gemv(linear: nn.Linear, kernels: ModelKernels) -> nn.Module:
@@ -198,8 +245,8 @@ def speed_up_model(model: DecoderModel, plan, kernels: ModelKernels | None = Non
     """Swap the plan's fast modules into a loaded reference `model`, in place, once; returns it.
 
     plan: a `minirt.fast.plan.Plan` (its fused_ops, merge_projections, gemv, norm_in_gemv, rotary_kernel,
-    kv_write_in_rotary, l2_prefetch, silu_and_mul_kernel). kernels: the functions to run (None: `model_kernels(plan)`).
-    The parameter names no longer match the checkpoint's afterwards (merged projections): for serving only.
+    kv_write_in_rotary, l2_prefetch, silu_and_mul_kernel, rotary_cache, argmax_in_gemv). kernels: the functions to
+    run (None: `model_kernels(plan)`). The parameter names no longer match the checkpoint's afterwards (merged projections): for serving only.
     """
     kernels = model_kernels(plan) if kernels is None else kernels
     body = model.model
@@ -213,7 +260,15 @@ def speed_up_model(model: DecoderModel, plan, kernels: ModelKernels | None = Non
             body.layers[i] = NormInGemvLayer(layer)
     if plan.fused_ops:
         body.norm = FusedRMSNorm(body.norm)
-    model.lm_head = _with_gemv(model.lm_head, kernels)
+    if plan.rotary_cache:
+        body.rotary_emb = CachedRotaryEmbedding(body.rotary_emb, model.config.max_position_embeddings, model.dtype,
+                                                fuse=plan.fused_ops)
+    if plan.argmax_in_gemv:
+        if kernels.gemv is None:
+            raise ValueError("argmax_in_gemv: needs the GEMV kernel (gemv)")
+        model.lm_head = GreedyGemvHead(model.lm_head, kernels.gemv)
+    else:
+        model.lm_head = _with_gemv(model.lm_head, kernels)
     if plan.l2_prefetch:
         bind_l2_prefetch(model, kernels.l2_table)
     return model

@@ -64,16 +64,20 @@ def norm_rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                   residual: torch.Tensor | None = None):
+                   residual: torch.Tensor | None = None, argmax_key: torch.Tensor | None = None):
     """The contract of `ModelKernels.gemv`, in plain torch: `F.linear(x, weight, bias)`, or with `silu_and_mul`
     (weight a merged gate/up projection `[2 * I, K]`) `silu(gate) * up` `[..., I]`. With `norm_weight` `[K]` the
     RMSNorm before the projection comes first, on the stream `s = residual + x` (`x` when residual is None), and
-    the result is `(out, s)`: `NormInGemvLayer`'s prologue. `minirt.kernels.gemv_triton.linear_gemv` does the same
-    for one row in one kernel."""
+    the result is `(out, s)`: `NormInGemvLayer`'s prologue. With `argmax_key` (the kernel's scratch, an int64 `[1]`
+    holding 0, left so), out is the argmax of the product along its last dim instead: `GreedyGemvHead`'s greedy
+    step. `minirt.kernels.gemv_triton.linear_gemv` does the same for one row in one kernel (two for the argmax)."""
     if norm_weight is not None:
         stream = x if residual is None else residual + x
-        return gemv_reference(rms_norm(stream, norm_weight, eps), weight, bias, silu_and_mul=silu_and_mul), stream
+        return gemv_reference(rms_norm(stream, norm_weight, eps), weight, bias, silu_and_mul=silu_and_mul,
+                              argmax_key=argmax_key), stream
     y = F.linear(x, weight, bias)
+    if argmax_key is not None:
+        return y.argmax(dim=-1)
     if not silu_and_mul:
         return y
     gate, up = y.chunk(2, dim=-1)

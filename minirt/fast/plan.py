@@ -81,6 +81,8 @@ class Plan:
     piecewise_graphs: bool = False
     async_scheduling: bool = False
     silu_and_mul_kernel: bool = False
+    rotary_cache: bool = False
+    argmax_in_gemv: bool = False
 
     @property
     def is_reference(self) -> bool:
@@ -208,6 +210,9 @@ RULES: tuple[Rule, ...] = (
          _one_process, lambda r: bool(r.on["piecewise_graphs"]), "with piecewise CUDA graphs"),
     Rule("silu_and_mul_kernel", "the Triton SiLU-and-multiply kernel", lambda r: list(r.hw.triton), _cuda,
          "on CUDA where Triton runs"),
+    Rule("rotary_cache", "cos and sin looked up per position", lambda r: [], _cuda, "on CUDA"),
+    Rule("argmax_in_gemv", "the greedy argmax in the LM head GEMV's epilogue", lambda r: r.need("gemv"),
+         lambda r: True, "with gemv"),
 )
 RULE_BY_NAME = {rule.name: rule for rule in RULES}
 

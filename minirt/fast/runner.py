@@ -41,6 +41,7 @@ class FastModelRunner(ModelRunner):
         self.staging = InputStaging(self.device, block_size)
         self.decode_graphs, self.piecewise_graphs = decode_graphs, piecewise_graphs
         self.sample_sizes: list[int] = []       # the greedy sampler's row counts (`padded_rows`); none: no padding
+        self.greedy_head = None                 # a `GreedyGemvHead`: greedy one-row steps take its argmax
 
     def attention(self, meta) -> KernelPagedAttention:
         return KernelPagedAttention(self.kv_cache, meta, self.kernel, self.store)
@@ -236,6 +237,8 @@ class FastModelRunner(ModelRunner):
         def next_tokens(hidden):
             if tensors is None:     # greedy: the argmax of the logits in the model's dtype is the argmax of their
                 rows = hidden.shape[0]                              # float32 copy (exact), without the copy
+                if rows == 1 and self.greedy_head is not None:
+                    return self.greedy_head.greedy(hidden)          # in the LM head's epilogue (argmax_in_gemv)
                 padded = padded_rows(rows, self.sample_sizes)
                 if padded != rows:
                     hidden = torch.nn.functional.pad(hidden, (0, 0, 0, padded - rows))
@@ -349,7 +352,8 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
     are swapped into the model (`speed_up_model`), and a `FastModelRunner` gets the plan's attention kernels and,
     with CUDA graphs, one more KV block than the pool hands out: the scratch block padding rows write to; with
     piecewise graphs, pieces for steps of up to `min(max_num_batched_tokens, MAX_TOKENS)` tokens; with fused ops
-    and bursts, `advance_decode_inputs` compiled.
+    and bursts, `advance_decode_inputs` compiled; with argmax_in_gemv, greedy one-row steps sampled by the LM head
+    (`GreedyGemvHead.greedy`).
     """
     if tensor_parallel_size > 1:
         from minirt.parallel import build_tensor_parallel_runner
@@ -374,6 +378,8 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
 
         advance = fused(advance_decode_inputs)
     runner = FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces, advance)
+    if plan.argmax_in_gemv:
+        runner.greedy_head = model.lm_head
     if model.device.type == "cuda":       # (not for tensor parallelism: its other ranks run the LM head unpadded)
         runner.sample_sizes = capture_sizes(max_num_seqs)       # the decode graphs' batch sizes
         runner.warm_up_sampler()
