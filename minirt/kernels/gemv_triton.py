@@ -145,13 +145,13 @@ def _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
         w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         if SILU_AND_MUL:
             u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            g = tl.load(NormW + k + cols, mask=k_ok, other=0.0)      # a weight too: no kernel writes it
         if PDL:
             tl.extra.cuda.gdc_wait()                      # x and the residual are the kernel before's output
         x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0, cache_modifier=X_CACHE)
         if HAS_RESIDUAL:
             r = tl.load(Res + k + cols, mask=k_ok, other=0.0, cache_modifier=X_CACHE)
-        if NORM:
-            g = tl.load(NormW + k + cols, mask=k_ok, other=0.0)
         if HAS_RESIDUAL:
             # The residual addition, rounded to the stream's dtype as in `add_rms_norm`; one program keeps it.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)

@@ -31,15 +31,22 @@ def _round(x, DT: tl.constexpr):
         return x.to(DT).to(tl.float32)
 
 
+@triton.jit
+def _wait(PDL: tl.constexpr):
+    """With PDL, wait until the kernel before has finished and its writes are visible (`griddepcontrol.wait`)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
 @triton.jit(do_not_specialize=["num_tokens"])
 def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, num_tokens, stride_qt, stride_kt, stride_ct,
                         V, VCache, slot_mapping, stride_vt, stride_slot,
                         NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                         ROT: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr,
                         BLOCK_H: tl.constexpr = 1, BLOCK_T: tl.constexpr = 1):
-    if PDL:     # programmatic dependent launch: wait for the projection that wrote q and k
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    if PDL:     # programmatic dependent launch: the next kernel may start; this one waits (`_wait`) only before it
+        tl.extra.cuda.gdc_launch_dependents()       # reads the projection's q, k and v: cos, sin, the norms' weights
+                                                    # and the slots load before (no kernel of the forward writes them)
     # One program: heads h0 .. h0 + BLOCK_H - 1 of [q heads | k heads | v heads] of tokens t0 .. t0 + BLOCK_T - 1,
     # as BLOCK_T * BLOCK_H rows (a token's heads adjacent); BLOCK_H divides NUM_HEADS and NUM_KV_HEADS, so the
     # heads are all of one kind. `token` and `head` are each row's.
@@ -59,6 +66,7 @@ def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, num_tokens, str
             v_head = h0 - NUM_HEADS - NUM_KV_HEADS + head
             dv = tl.arange(0, HEAD_DIM)[None, :]
             slot = tl.load(slot_mapping + token).to(tl.int64)
+            _wait(PDL)
             tl.store(VCache + slot * stride_slot + v_head * HEAD_DIM + dv,
                      tl.load(V + token * stride_vt + v_head * HEAD_DIM + dv), mask=live)
             return
@@ -83,16 +91,18 @@ def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, num_tokens, str
         half: tl.constexpr = HEAD_DIM // 2
         d = tl.arange(0, half)[None, :]
         # Every load first, so that none waits on the norm's reduction in program order.
-        x1 = tl.load(src + d).to(tl.float32)
-        x2 = tl.load(src + half + d).to(tl.float32)
         cs = token * stride_ct + d
         c1 = tl.load(Cos + cs).to(tl.float32)
         c2 = tl.load(Cos + cs + half).to(tl.float32)
         s1 = tl.load(Sin + cs).to(tl.float32)
         s2 = tl.load(Sin + cs + half).to(tl.float32)
-        if NORM:                                                      # rms_norm: (x * rstd) rounded, times w
+        if NORM:
             w1 = tl.load(w_ptr + d).to(tl.float32)
             w2 = tl.load(w_ptr + half + d).to(tl.float32)
+        _wait(PDL)
+        x1 = tl.load(src + d).to(tl.float32)
+        x2 = tl.load(src + half + d).to(tl.float32)
+        if NORM:                                                      # rms_norm: (x * rstd) rounded, times w
             rstd = tl.rsqrt(tl.sum(x1 * x1 + x2 * x2, axis=1) / HEAD_DIM + eps)[:, None]
             x1 = _round(w1 * _round(x1 * rstd, dt), dt)
             x2 = _round(w2 * _round(x2 * rstd, dt), dt)
@@ -105,14 +115,18 @@ def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, num_tokens, str
         half: tl.constexpr = ROT // 2
         rotated = d < ROT
         partner = tl.where(d < half, d + half, d - half)              # rotate_half's source channel
+        c = tl.load(Cos + token * stride_ct + d, mask=rotated, other=1.0).to(tl.float32)
+        s = tl.load(Sin + token * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
+        if NORM:
+            w = tl.load(w_ptr + d).to(tl.float32)
+            wp = tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32)
+        _wait(PDL)
         x = tl.load(src + d).to(tl.float32)
         xp = tl.load(src + partner, mask=rotated, other=0.0).to(tl.float32)
         if NORM:
             rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)[:, None]
-            x = _round(tl.load(w_ptr + d).to(tl.float32) * _round(x * rstd, dt), dt)
-            xp = _round(tl.load(w_ptr + partner, mask=rotated, other=0.0).to(tl.float32) * _round(xp * rstd, dt), dt)
-        c = tl.load(Cos + token * stride_ct + d, mask=rotated, other=1.0).to(tl.float32)
-        s = tl.load(Sin + token * stride_ct + d, mask=rotated, other=0.0).to(tl.float32)
+            x = _round(w * _round(x * rstd, dt), dt)
+            xp = _round(wp * _round(xp * rstd, dt), dt)
         rotated_half = tl.where(d < half, -xp, xp)                    # rotate_half(x): exact
         out = tl.where(rotated, _round(_round(x * c, dt) + _round(rotated_half * s, dt), dt), x)
         tl.store(dst + d, out.to(dt), mask=live)
