@@ -8,7 +8,8 @@ are recorded one by one. A step is cut at each greedy argmax (torch's `ArgMax` k
 the argmax is in the LM head's GEMV, argmax_in_gemv); for the last three
 complete steps it lists every kernel that is not one of the 28 layers' repeated kernels in order, with its start
 against the step's first kernel, its duration and the gap since the kernel before it ended (negative where
-programmatic dependent launch overlaps them), and sums each kernel name's time per step. With PDL the kernels
+programmatic dependent launch overlaps them), and sums each kernel name's time per step; and for each kernel of a
+layer, how much later it ends than the one before it, the median over the inner layers. With PDL the kernels
 overlap, so durations do not add up to the step: `batch1_ablation.py` times what a kernel costs on the step's path.
 Writes `batch1-timeline-cuda-<date>.json`. Needs CUDA. (Issue 23, session 10.)
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 import collections
 import datetime
 import os
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -67,6 +69,30 @@ def describe(step: list[tuple[str, float, float]]) -> dict:
                          for n, us in sorted(by_name.items(), key=lambda kv: -kv[1])]}
 
 
+LAYER_PARTS = ("qkv_proj", "rotary", "attention", "combine", "o_proj", "gate_up_proj", "down_proj")
+
+
+def layer_increments(step: list[tuple[str, float, float]]) -> dict:
+    """Per part of a layer (LAYER_PARTS: the kernels between one rotary kernel's GEMV and the next's), the median
+    over the step's inner layers of how much later it ends than the kernel before it (its cost on the step's
+    path, as far as the profiler's clock shows it) and how long before that kernel's end it started (its head start
+    under PDL). Empty when the step's kernels are not that sequence (another plan)."""
+    rotary = [i for i, (name, _, _) in enumerate(step) if "rotate" in name]
+    layers = [step[r - 1:r - 1 + len(LAYER_PARTS)] for r in rotary[1:-1] if r >= 1]
+    if not layers or any(len(layer) != len(LAYER_PARTS) for layer in layers):
+        return {}
+    out = {}
+    for j, part in enumerate(LAYER_PARTS):
+        ends, leads = [], []
+        for i, layer in enumerate(layers):
+            before = layer[j - 1] if j else step[rotary[i + 1] - 2]      # down_proj of the layer before
+            ends.append(layer[j][2] - before[2])
+            leads.append(before[2] - layer[j][1])
+        out[part] = {"end_after_previous_us": statistics.median(ends), "started_before_previous_end_us":
+                     statistics.median(leads), "kernel": layer[j][0][:60]}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (("--new-tokens",), {"type": int, "default": 48}))
     if args is None:
@@ -85,10 +111,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"step -{3 - i}: {d['kernels']} kernels over {d['span_us']:.1f} us; kernels outside the layers:")
         for r in d["per_step_kernels"]:
             print(f"  +{r['start_us']:8.1f} us  {r['dur_us']:6.1f} us  gap {r['gap_us']:6.1f}  {r['name'][:80]}")
+    increments = layer_increments(steps[-2]) if len(steps) > 1 else {}
+    print("a layer's kernels, median over the last step's inner layers (end after the kernel before; head start):")
+    for part, r in increments.items():
+        print(f"  {part:14s} +{r['end_after_previous_us']:5.2f} us   started {r['started_before_previous_end_us']:5.2f} "
+              f"us before  ({r['kernel']})")
     print("time per kernel name, last step:")
     for r in last[-1]["per_name"][:20]:
         print(f"  {r['us']:8.1f} us  x{r['count']}  {r['name'][:90]}")
     report = {**report_header(device), "tpot_p50_s": fig["tpot_p50_s"], "steps_seen": len(steps), "last_steps": last,
+              "layer_increments": increments,
               "plan": llm.engine.plan.as_dict()}
     write_report(report, args.out, f"batch1-timeline-cuda-{datetime.date.today()}")
     return 0
