@@ -40,7 +40,7 @@ from minirt.metrics import format_table
 _OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False,
             gemv=False, num_scheduler_steps=1, norm_in_gemv=False, rotary_kernel=False, pdl=False,
             kv_write_in_rotary=False, combine_in_attention=False, prefetch_kv=False, l2_prefetch=False,
-            silu_and_mul_kernel=False, async_scheduling=False)
+            silu_and_mul_kernel=False, async_scheduling=False, rotary_cache=False, argmax_in_gemv=False)
 #: (label, what the step changes in the settings of the step before it).
 _CHANGES = [
     ("eager, torch attention", {}),
@@ -59,6 +59,8 @@ _CHANGES = [
     ("+ next GEMV's weights into L2", {"l2_prefetch": True}),
     ("+ Triton SiLU-and-multiply", {"silu_and_mul_kernel": True}),
     ("+ async scheduling", {"async_scheduling": True}),
+    ("+ cos and sin from tables", {"rotary_cache": True}),
+    ("+ greedy argmax in the LM head", {"argmax_in_gemv": True}),
 ]
 
 

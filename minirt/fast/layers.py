@@ -95,10 +95,11 @@ def lookup_cos_sin(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: 
 class CachedRotaryEmbedding(RotaryEmbedding):
     """`RotaryEmbedding` (the same inverse frequencies) whose cos and sin are looked up per position in tables its
     reference forward filled once, for positions 0 ... max_positions - 1 in `dtype` (vLLM's `cos_sin_cache`): a
-    step then gathers rows, one compiled kernel with `fuse` (`fused`), instead of the product, concatenation, cos,
-    sin, scaling and casts, nine kernels. The same values: each row is what the reference computes for that
-    position. Other dtypes go the reference's way. Positions must lie below max_positions (the engine holds them
-    below max_model_len, at most the model's max_position_embeddings). The plan's rotary_cache rule."""
+    step then gathers its rows of each table, two small kernels (compiled by `fused` with `fuse`), instead of the
+    product, concatenation, cos, sin, scalings and casts, nine kernels. The same values: each row is what the
+    reference computes for that position. Other dtypes go the reference's way. Positions must lie below
+    max_positions (the engine holds them below max_model_len, at most the model's max_position_embeddings). The
+    plan's rotary_cache rule."""
 
     def __init__(self, rotary: RotaryEmbedding, max_positions: int, dtype: torch.dtype, fuse: bool):
         nn.Module.__init__(self)
@@ -246,7 +247,8 @@ def speed_up_model(model: DecoderModel, plan, kernels: ModelKernels | None = Non
 
     plan: a `minirt.fast.plan.Plan` (its fused_ops, merge_projections, gemv, norm_in_gemv, rotary_kernel,
     kv_write_in_rotary, l2_prefetch, silu_and_mul_kernel, rotary_cache, argmax_in_gemv). kernels: the functions to
-    run (None: `model_kernels(plan)`). The parameter names no longer match the checkpoint's afterwards (merged projections): for serving only.
+    run (None: `model_kernels(plan)`). The parameter names no longer match the checkpoint's afterwards (merged
+    projections): for serving only.
     """
     kernels = model_kernels(plan) if kernels is None else kernels
     body = model.model
