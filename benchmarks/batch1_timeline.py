@@ -61,11 +61,12 @@ def describe(step: list[tuple[str, float, float]]) -> dict:
             rows.append({"name": name[:100], "start_us": start - t0, "dur_us": end - start,
                          "gap_us": start - prev_end})
         prev_end = end
-    by_name = collections.defaultdict(float)
+    by_name, calls = collections.defaultdict(float), collections.Counter()
     for name, start, end in step:
         by_name[name[:100]] += end - start
+        calls[name[:100]] += 1
     return {"span_us": step[-1][2] - t0, "kernels": len(step), "per_step_kernels": rows,
-            "per_name": [{"name": n, "count": counts[n] if n in counts else None, "us": us}
+            "per_name": [{"name": n, "count": calls[n], "us": us}
                          for n, us in sorted(by_name.items(), key=lambda kv: -kv[1])]}
 
 
