@@ -15,6 +15,7 @@ switches: the K/V write in the rotary kernel and the split-KV combine in the att
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -68,27 +69,38 @@ def new_llm(model: str, device: torch.device, **kwargs) -> minirt.LLM:
     return minirt.LLM(model, device=device, dtype=torch.bfloat16, max_num_seqs=8, num_kv_blocks=512, **kwargs)
 
 
-def interleaved_variants(build: dict, rounds: int, device: torch.device) -> tuple[dict, dict[str, list[float]]]:
+def interleaved_variants(build: dict, rounds: int, device: torch.device,
+                         around: dict | None = None) -> tuple[dict, dict[str, list[float]]]:
     """One `minirt.LLM` per variant on one random Qwen3-0.6B-shaped checkpoint (`build[name](model_path)` builds it),
-    all built first and kept alive, then `interleaved_tpot` over them. Returns (llms, tpot)."""
+    all built first and kept alive, then `interleaved_tpot` over them. `around[name]()`, where given, is a context
+    manager that variant is built and run inside (patched kernel constants, say). Returns (llms, tpot)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    around = around or {}
     with tempfile.TemporaryDirectory() as tmp:
         model = build_random_qwen3(tmp, device, seed=0)
-        llms = {name: make(model) for name, make in build.items()}
-        return llms, interleaved_tpot(llms, rounds, device)
+        llms = {}
+        for name, make in build.items():
+            with around.get(name, contextlib.nullcontext)():
+                llms[name] = make(model)
+        return llms, interleaved_tpot(llms, rounds, device, around)
 
 
-def interleaved_tpot(llms: dict, rounds: int, device: torch.device) -> dict[str, list[float]]:
+def interleaved_tpot(llms: dict, rounds: int, device: torch.device, around: dict | None = None
+                     ) -> dict[str, list[float]]:
     """TPOT p50 (s) of one request per round (512-token prompt, 256 new tokens, a new prompt each round) on each
-    of `llms` in turn, the order alternating between rounds, after one warm-up request each."""
+    of `llms` in turn, the order alternating between rounds, after one warm-up request each; each inside
+    `around[name]()` where given."""
+    around = around or {}
     tpot = {name: [] for name in llms}
     prompts = make_prompts(rounds + 1, (512, 512), next(iter(llms.values())).engine.model.config.vocab_size, seed=3)
-    for llm in llms.values():                           # warm-up: compiled kernels, first-use allocations
-        run_minirt(llm, prompts[-1:], 16, device)
+    for name, llm in llms.items():                      # warm-up: compiled kernels, first-use allocations
+        with around.get(name, contextlib.nullcontext)():
+            run_minirt(llm, prompts[-1:], 16, device)
     for r in range(rounds):
         order = list(llms.items()) if r % 2 == 0 else list(llms.items())[::-1]
         for name, llm in order:
-            fig, _ = run_minirt(llm, [prompts[r]], 256, device)
+            with around.get(name, contextlib.nullcontext)():
+                fig, _ = run_minirt(llm, [prompts[r]], 256, device)
             tpot[name].append(fig["tpot_p50_s"])
     return tpot
 

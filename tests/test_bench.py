@@ -4,6 +4,7 @@ Checks the JSON report's fields, that every ratio and derived figure follows fro
 and that the tables print. No timing thresholds: the figures depend on the machine.
 """
 
+import contextlib
 import json
 import os
 import subprocess
@@ -238,7 +239,8 @@ def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
 
 
 @pytest.mark.parametrize("script", ["profile_throughput", "overlap_probe", "persistent_attention_probe",
-                                    "decode_gemms", "step_timeline", "batch1_ablation", "sync_floor", "split_tile"])
+                                    "decode_gemms", "step_timeline", "batch1_ablation", "sync_floor", "split_tile",
+                                    "kernel_choices"])
 def test_cuda_only_scripts_exit_2_without_cuda(script):
     if __import__("torch").cuda.is_available():
         pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
@@ -293,14 +295,50 @@ def test_interleaved_variants_builds_each_on_one_checkpoint_then_times_them_all(
         paths.append(path)
         return path
 
-    def fake_tpot(llms, rounds, device):
-        events.append(("timed", sorted(llms), rounds, all(__import__("os").path.isdir(p) for p in paths)))
+    def fake_tpot(llms, rounds, device, around):
+        events.append(("timed", sorted(llms), rounds, all(__import__("os").path.isdir(p) for p in paths), around))
         return {name: [0.001] * rounds for name in llms}
+
+    @contextlib.contextmanager
+    def patched():
+        events.append("enter")
+        yield
+        events.append("exit")
 
     monkeypatch.setattr(ab, "build_random_qwen3", fake_checkpoint)
     monkeypatch.setattr(ab, "interleaved_tpot", fake_tpot)
     build = {name: (lambda model, name=name: events.append(("built", name, model)) or f"llm-{name}") for name in "ab"}
-    llms, tpot = ab.interleaved_variants(build, 3, "cpu")
+    llms, tpot = ab.interleaved_variants(build, 3, "cpu", around={"b": patched})
     assert llms == {"a": "llm-a", "b": "llm-b"} and tpot == {"a": [0.001] * 3, "b": [0.001] * 3}
-    assert events == [("built", "a", paths[0]), ("built", "b", paths[0]), ("timed", ["a", "b"], 3, True)]
+    assert events == [("built", "a", paths[0]), "enter", ("built", "b", paths[0]), "exit",
+                      ("timed", ["a", "b"], 3, True, {"b": patched})]
     assert len(paths) == 1
+
+
+def test_interleaved_tpot_runs_each_variant_inside_its_context(monkeypatch):
+    """`interleaved_tpot`: a variant's warm-up and every timed run happen inside `around[name]()` (the patched kernel
+    choices of kernel_choices.py, which eager steps read too); the other variants' runs outside it."""
+    ab = _benchmark_module("ab")
+    state = {"inside": None}
+    runs = []
+
+    @contextlib.contextmanager
+    def patched():
+        state["inside"] = "b"
+        yield
+        state["inside"] = None
+
+    class FakeLLM:
+        def __init__(self, name):
+            self.name = name
+            self.engine = type("E", (), {"model": type("M", (), {"config": type("C", (), {"vocab_size": 50})})})
+
+    def fake_run(llm, prompts, new_tokens, device):
+        runs.append((llm.name, state["inside"], new_tokens))
+        return {"tpot_p50_s": 0.001}, None
+
+    monkeypatch.setattr(ab, "run_minirt", fake_run)
+    tpot = ab.interleaved_tpot({"a": FakeLLM("a"), "b": FakeLLM("b")}, 2, "cpu", around={"b": patched})
+    assert tpot == {"a": [0.001] * 2, "b": [0.001] * 2}
+    assert runs == [("a", None, 16), ("b", "b", 16), ("a", None, 256), ("b", "b", 256), ("b", "b", 256),
+                    ("a", None, 256)]

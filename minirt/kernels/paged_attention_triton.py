@@ -268,17 +268,18 @@ DECODE_TILE = (128, 4, 2)          # one program per (sequence, KV head)
 SPLIT_TILE = (64, 8, 2)            # split-KV launches: their shares and the K/V prefetch are sized by 64 keys
 CHUNK_BLOCK_M, CHUNK_TILE = 128, (32, 4, 2)
 CHUNK_MIN_TOKENS = 16              # a step whose longest chunk is shorter keeps one launch of decode-sized tiles
+MAX_SPLITS = 16                    # split-KV: programs per (sequence, KV head) at most
 
 
 def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
     """How many programs share each decode's keys: 1 unless the batch is all decodes and has fewer
-    (sequence, KV head) programs than twice the GPU's SMs; then a power of two up to 16 that fills them.
+    (sequence, KV head) programs than twice the GPU's SMs; then a power of two up to MAX_SPLITS that fills them.
     Depends only on the batch's shape, so a CUDA graph captured at one batch size keeps it."""
     programs = meta.context_lens.shape[0] * num_kv_heads
     if meta.max_query_len != 1 or device.type != "cuda":
         return 1
     target = 2 * num_sms(device)
-    return min(16, triton.next_power_of_2(max(1, -(-target // programs))))
+    return min(MAX_SPLITS, triton.next_power_of_2(max(1, -(-target // programs))))
 
 
 def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -1,0 +1,95 @@
+"""The batch-1 step under other kernel choices (GEMV tiles, split-KV splits): TPOT per choice, interleaved.
+
+    python benchmarks/kernel_choices.py [--rounds 6] [--variants NAME,NAME,...] [--label LABEL]
+                                        [--out benchmarks/results]
+
+The kernels' launch choices are module constants and small functions (`minirt.kernels.gemv_triton.choose_config`
+and its constants, `minirt.kernels.paged_attention_triton.choose_num_splits`'s `MAX_SPLITS` and `SPLIT_TILE`). Here
+each variant is a `minirt.LLM` on the same random Qwen3-0.6B-shaped checkpoint built and run with some of them
+patched (its decode graphs are captured while it is built), timed in interleaved rounds as `ab.py` times engine
+settings (512-token prompt, 256 new tokens; the first variant is the baseline). The GEMV variants follow the
+`--chain` sweep of `gemv.py`, which found down_proj faster in 2 x 2048 tiles with 8 warps in the GEMV chain
+alone (`gemv-chain-cuda-2026-12-01.json`); the split variants ask how many programs should share a short
+context's keys, and how many keys each should take.
+Writes `kernel-choices-cuda-<date>[-LABEL].json`. Needs CUDA. (Issue 23, session 11.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import sys
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+from ab import interleaved_variants, new_llm, report_tpot  # noqa: E402
+from minirt.bench import cuda_script_args  # noqa: E402
+from minirt.kernels import gemv_triton, paged_attention_triton  # noqa: E402
+
+DOWN_PROJ, O_PROJ = (1024, 3072), (1024, 2048)      # Qwen3-0.6B's weights [out, in]
+
+
+def _tiles(configs: dict):
+    """`choose_config` returning `configs[(n, k)]` for weights of those shapes and its own choice for the others."""
+    original = gemv_triton.choose_config
+
+    def choose(n, k, sm_count, split_k=True):
+        return configs.get((n, k)) or original(n, k, sm_count, split_k)
+    return mock.patch.object(gemv_triton, "choose_config", choose)
+
+
+def _constants(module, **values):
+    """The module's constants set to `values` for the block."""
+    stack = contextlib.ExitStack()
+    for name, value in values.items():
+        assert hasattr(module, name), name
+        stack.enter_context(mock.patch.object(module, name, value))
+    return stack
+
+
+def _splits(max_splits: int, tile: tuple[int, int, int] | None = None):
+    """At most max_splits split-KV programs per (sequence, KV head), each with `tile` (keys, warps, stages)."""
+    return _constants(paged_attention_triton, MAX_SPLITS=max_splits,
+                      **({"SPLIT_TILE": tile} if tile else {}))
+
+
+G = gemv_triton.GemvConfig
+VARIANTS = {      # name -> () -> a context manager the variant is built and run in
+    "default": contextlib.nullcontext,
+    "one-row 4096": lambda: _constants(gemv_triton, MAX_BLOCK_K=4096),     # before session 11
+    "down 2x2048 w8": lambda: _tiles({DOWN_PROJ: G(2, 2048, 1, 8)}),
+    "down 1x2048 w4": lambda: _tiles({DOWN_PROJ: G(1, 2048, 1, 4)}),
+    "o+down 2x2048 w8": lambda: _tiles({DOWN_PROJ: G(2, 2048, 1, 8), O_PROJ: G(2, 2048, 1, 8)}),
+    "splits 8": lambda: _splits(8),
+    "splits 8 keys 128": lambda: _splits(8, (128, 8, 2)),
+    "splits 32": lambda: _splits(32),
+    "splits 16 keys 32": lambda: _splits(16, (32, 4, 2)),
+    "splits 32 keys 32": lambda: _splits(32, (32, 4, 2)),
+    "splits 32 keys 32 w8": lambda: _splits(32, (32, 8, 2)),
+    "splits 64 keys 16": lambda: _splits(64, (16, 4, 2)),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 6}),
+                            (("--variants",), {"default": ",".join(VARIANTS)}), (("--label",), {"default": ""}))
+    if args is None:
+        return 2
+    names = args.variants.split(",")
+    if unknown := [n for n in names if n not in VARIANTS]:
+        print(f"error: --variants: unknown {unknown}; known: {list(VARIANTS)}", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    llms, tpot = interleaved_variants({n: (lambda model: new_llm(model, device)) for n in names}, args.rounds, device,
+                                      around={n: VARIANTS[n] for n in names})
+    settings = {n: {"plan": llms[n].engine.plan.as_dict()} for n in names}
+    report_tpot(tpot, settings, args.rounds, device, args.out,
+                "-".join(filter(None, ["kernel-choices-cuda", str(datetime.date.today()), args.label])))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
