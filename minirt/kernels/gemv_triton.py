@@ -32,7 +32,7 @@ from minirt.kernels import num_sms
 # matrices (q/k/v, gate/up, the LM head), one whole row per program for the 1024-row ones (o_proj, down_proj), so
 # that more programs than SMs run.
 ROWS, COLS = 8, 512     # a program's tile per loop step when there are enough rows: 8 KB of bf16
-MAX_BLOCK_K = 4096      # one-row programs read up to this much of their row per step
+MAX_BLOCK_K = 2048      # one-row programs read up to this much of their row per step
 PROGRAMS_PER_SM = 2     # fewer programs leave multiprocessors idle or too few bytes in flight to hide latency
 MAX_SPLIT_K = 8
 NUM_WARPS = 4
