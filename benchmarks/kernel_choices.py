@@ -70,11 +70,6 @@ VARIANTS = {      # name -> () -> a context manager the variant is built and run
     "splits 32 keys 32": lambda: _splits(32, (32, 4, 2)),
     "splits 32 keys 32 w8": lambda: _splits(32, (32, 8, 2)),
     "splits 64 keys 16": lambda: _splits(64, (16, 4, 2)),
-    "split mma": lambda: _constants(paged_attention_triton, SPLIT_MMA=True),
-    "split cuda cores": lambda: _constants(paged_attention_triton, SPLIT_MMA=False),
-    "split cuda cores w16": lambda: _constants(paged_attention_triton, SPLIT_MMA=False, SPLIT_TILE=(64, 16, 2)),
-    "split cuda cores splits 32 keys 32": lambda: _constants(paged_attention_triton, SPLIT_MMA=False, MAX_SPLITS=32,
-                                                             SPLIT_TILE=(32, 8, 2)),
 }
 
 

@@ -53,16 +53,6 @@ def build_case(seed, block_size, num_heads, num_kv_heads, head_dim, dtype, devic
     return torch.cat(qs), k_cache, v_cache, meta, ks, vs, qs
 
 
-@pytest.fixture
-def split_mma(request, monkeypatch):
-    """`SPLIT_MMA` set to the test's parameter: split-KV decode tiles on the tensor cores (16 query rows) or on the
-    CUDA cores (one token's query group); prefill chunks take the tensor cores either way."""
-    from minirt.kernels import paged_attention_triton as module
-
-    monkeypatch.setattr(module, "SPLIT_MMA", request.param)
-    return request.param
-
-
 def oracle(ks, vs, qs):
     """SDPA per sequence on contiguous K/V; query i of a sequence with context c sits at c - q_len + i."""
     outs = []
@@ -108,11 +98,10 @@ def test_paged_attention_matches_sdpa(kernel, device, block_size, num_heads, num
 
 
 @pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
-@pytest.mark.parametrize("decode_only,split_mma", [(True, True), (True, False), (False, True)],
-                         ids=["decodes", "decodes-cuda-cores", "mixed"], indirect=["split_mma"])
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
 @pytest.mark.parametrize("num_splits", [None, 1, 2, 4, 16])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_split_kv_matches_sdpa(decode_only, split_mma, num_splits, dtype):
+def test_triton_split_kv_matches_sdpa(decode_only, num_splits, dtype):
     """Split-KV (several programs share a sequence's keys, a second kernel combines them) against the oracle."""
     from minirt.kernels.paged_attention_triton import choose_num_splits, paged_attention_triton
 
@@ -141,12 +130,10 @@ def test_triton_split_kv_matches_sdpa(decode_only, split_mma, num_splits, dtype)
 
 
 @pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
-@pytest.mark.parametrize("decode_only,split_mma", [(True, True), (True, False), (False, True)],
-                         ids=["decodes", "decodes-cuda-cores", "mixed"], indirect=["split_mma"])
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
 @pytest.mark.parametrize("prefetch_kv", [True, False], ids=["prefetch", "wait-first"])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (6, 2), (8, 2)], ids=["group1", "group3", "group4"])
-def test_split_kv_with_several_tiles_per_split_matches_sdpa(decode_only, split_mma, prefetch_kv, num_heads,
-                                                            num_kv_heads):
+def test_split_kv_with_several_tiles_per_split_matches_sdpa(decode_only, prefetch_kv, num_heads, num_kv_heads):
     """Two splits over 130-300 keys: each split's share is 2 to 3 tiles of 64 keys, so the loop after the first
     (peeled, prefetched) tile runs too, with GQA groups of 1, 3 and 4 query heads per KV head (a loop that
     started at the first tile again would count it twice; one that skipped the rest would miss keys)."""
@@ -189,12 +176,11 @@ def test_prefill_chunks_after_long_prefixes_match_sdpa(num_heads, num_kv_heads, 
 
 
 @pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
-@pytest.mark.parametrize("decode_only,split_mma", [(True, True), (True, False), (False, True)],
-                         ids=["decodes", "decodes-cuda-cores", "mixed"], indirect=["split_mma"])
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "mixed"])
 @pytest.mark.parametrize("num_splits,ctx_range", [(2, (1, 90)), (16, (1, 90)), (16, (600, 1100))],
                          ids=["2-splits", "16-splits", "16-splits-long"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_combine_in_attention_matches_sdpa(decode_only, split_mma, num_splits, ctx_range, dtype, monkeypatch):
+def test_split_combine_in_attention_matches_sdpa(decode_only, num_splits, ctx_range, dtype, monkeypatch):
     """Chapter 07's `combine_in_attention`: with `split_counters` the last split of each (sequence, KV head, query
     tile) to finish combines the splits' results in the attention kernel, and the combine kernel is never launched.
     Against the oracle, as the two-kernel path is (long contexts: every one of the 16 splits has keys); run twice

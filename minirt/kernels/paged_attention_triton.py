@@ -31,7 +31,6 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, LAST_COMBINES: tl.constexpr, ROWS: tl.constexpr = 0,
-    MMA: tl.constexpr = True,
 ):
     if PDL:     # programmatic dependent launch: this kernel may start while the one before it runs
         tl.extra.cuda.gdc_launch_dependents()
@@ -124,7 +123,7 @@ def _paged_attention_kernel(
             new = n_ok & (n >= first_new)
             k = tl.where(new[:, None], tl.load(K + offs, mask=new[:, None], other=0.0), k)
             v = tl.where(new[:, None], tl.load(V + offs, mask=new[:, None], other=0.0), v)
-            m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE, MMA)
+            m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE)
             start = lo + BLOCK_N
         else:
             q = tl.load(Q + (q_start + tok)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
@@ -136,7 +135,7 @@ def _paged_attention_kernel(
                                BLOCK_SIZE)
             k = tl.load(K + offs, mask=n_ok[:, None], other=0.0)
             v = tl.load(V + offs, mask=n_ok[:, None], other=0.0)
-            m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE, MMA)
+            m_i, l_i, acc = _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE)
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]
         tl.store(Out + (q_start + tok)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
@@ -165,28 +164,16 @@ def _kv_offsets(table, n, n_ok, kv_head, d, stride_kb, stride_ks, stride_kh, BLO
 
 
 @triton.jit
-def _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE: tl.constexpr, MMA: tl.constexpr):
+def _attend_tile(q, k, v, n, n_ok, q_pos, m_i, l_i, acc, scale, IEEE: tl.constexpr):
     """One step of the running softmax over the keys `n` (`[BLOCK_N]`; k and v `[BLOCK_N, HEAD_DIM]`, zero where
-    masked): a query row sees the keys at or before its position. Returns the new (m_i, l_i, acc).
-
-    MMA: both products on the tensor cores (`tl.dot`, at least 16 query rows); else, for a tile of a few rows (one
-    token's query group), as broadcast multiplies and sums in float32 on the CUDA cores, which need no operand
-    layouts in shared memory (vLLM's CUDA paged-attention kernels for decode take no tensor cores either). The
-    weights p are rounded to v's dtype before the second product either way."""
-    if MMA:
-        s = _dot(q, tl.trans(k), IEEE) * scale
-    else:
-        s = tl.sum(q.to(tl.float32)[:, None, :] * k.to(tl.float32)[None, :, :], 2) * scale
+    masked): a query row sees the keys at or before its position. Returns the new (m_i, l_i, acc)."""
+    s = _dot(q, tl.trans(k), IEEE) * scale
     s = tl.where(n_ok[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with no visible key yet: no NaN
     p = tl.exp(s - m_use[:, None])
     alpha = tl.exp(m_i - m_use)
-    if MMA:
-        pv = _dot(p.to(v.dtype), v, IEEE)
-    else:
-        pv = tl.sum(p.to(v.dtype).to(tl.float32)[:, :, None] * v.to(tl.float32)[None, :, :], 1)
-    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + _dot(p.to(v.dtype), v, IEEE)
 
 
 @triton.jit
@@ -282,7 +269,6 @@ SPLIT_TILE = (64, 8, 2)            # split-KV launches: their shares and the K/V
 CHUNK_BLOCK_M, CHUNK_TILE = 128, (32, 4, 2)
 CHUNK_MIN_TOKENS = 16              # a step whose longest chunk is shorter keeps one launch of decode-sized tiles
 MAX_SPLITS = 16                    # split-KV: programs per (sequence, KV head) at most
-SPLIT_MMA = False                  # split-KV decode tiles on the tensor cores (16 query rows), else one token's group
 
 
 def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: torch.device) -> int:
@@ -339,11 +325,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     group = num_heads // num_kv_heads
+    block_m = max(16, triton.next_power_of_2(group))
+    tokens_per_tile = block_m // group
     if num_splits is None:
         num_splits = choose_num_splits(meta, num_kv_heads, q.device)
-    mma = SPLIT_MMA or num_splits == 1 or meta.max_query_len > 1     # CUDA cores: split decode launches only
-    block_m = max(16, triton.next_power_of_2(group)) if mma else triton.next_power_of_2(group)
-    tokens_per_tile = block_m // group
     out = torch.empty_like(q)
     if num_splits > 1:
         part_acc = torch.empty(num_tokens, num_heads, num_splits, head_dim, dtype=torch.float32, device=q.device)
@@ -386,7 +371,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_n, warps, stages = SPLIT_TILE if num_splits > 1 else DECODE_TILE
     _paged_attention_kernel[grid](
         *args, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, PREFETCH=prefetch_kv and num_splits > 1,
-        LAST_COMBINES=last_combines, ROWS=ROWS_ALL, MMA=mma, num_warps=warps, num_stages=stages, **common)
+        LAST_COMBINES=last_combines, ROWS=ROWS_ALL, num_warps=warps, num_stages=stages, **common)
     if num_splits > 1 and not last_combines:
         _combine_splits_kernel[(num_tokens, num_heads)](out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
                                                         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, **launch)
