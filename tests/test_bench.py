@@ -342,3 +342,28 @@ def test_interleaved_tpot_runs_each_variant_inside_its_context(monkeypatch):
     assert tpot == {"a": [0.001] * 2, "b": [0.001] * 2}
     assert runs == [("a", None, 16), ("b", "b", 16), ("a", None, 256), ("b", "b", 256), ("b", "b", 256),
                     ("a", None, 256)]
+
+
+def test_kernel_choices_variants_patch_what_they_name_and_restore_it():
+    """benchmarks/kernel_choices.py: a tile variant changes `choose_config` for its weight shapes only, a constant
+    variant sets its module's constants, and both leave the modules as they were after the block."""
+    pytest.importorskip("triton")
+    kernel_choices = _benchmark_module("kernel_choices")
+    from minirt.kernels import gemv_triton, paged_attention_triton
+
+    shapes = {"down": (1024, 3072), "o_proj": (1024, 2048), "qkv": (4096, 1024)}
+    before = {name: gemv_triton.choose_config(*shape, 132) for name, shape in shapes.items()}
+    with kernel_choices.VARIANTS["down 2x2048 w8"]():
+        assert gemv_triton.choose_config(*shapes["down"], 132) == gemv_triton.GemvConfig(2, 2048, 1, 8)
+        assert gemv_triton.choose_config(*shapes["o_proj"], 132) == before["o_proj"]
+        assert gemv_triton.choose_config(*shapes["qkv"], 132) == before["qkv"]
+    with kernel_choices.VARIANTS["o+down 2x2048 w8"]():
+        assert gemv_triton.choose_config(*shapes["o_proj"], 132) == gemv_triton.GemvConfig(2, 2048, 1, 8)
+    assert {name: gemv_triton.choose_config(*shape, 132) for name, shape in shapes.items()} == before
+    splits, tile = paged_attention_triton.MAX_SPLITS, paged_attention_triton.SPLIT_TILE
+    with kernel_choices.VARIANTS["splits 32 keys 32"]():
+        assert (paged_attention_triton.MAX_SPLITS, paged_attention_triton.SPLIT_TILE) == (32, (32, 4, 2))
+    with kernel_choices.VARIANTS["one-row 4096"]():
+        assert gemv_triton.choose_config(*shapes["down"], 132).block_k == 4096
+    assert (paged_attention_triton.MAX_SPLITS, paged_attention_triton.SPLIT_TILE) == (splits, tile)
+    assert gemv_triton.choose_config(*shapes["down"], 132) == before["down"]
