@@ -291,6 +291,37 @@ def test_models_health_metrics(server):
         assert metric(server.url, name) == 0, name
 
 
+def _http_get(sock, path: str) -> bytes:
+    """One HTTP/1.1 GET on an open socket (keep-alive); the response's bytes, b"" if the server closed it."""
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: minirt\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return data
+
+
+def test_idle_keep_alive_outlives_the_openai_clients_own(server):
+    """An idle connection stays open past the time after which the openai client's pool drops its idle connections
+    (`openai.DEFAULT_CONNECTION_LIMITS`, 5 s), so the client always drops it first. (With both at 5 s, a request sent
+    on a pooled connection just as the server closed it failed with "connection reset": a flaky test, once.) One raw
+    socket, two requests a second longer than that apart: the second is answered on the same connection."""
+    import socket
+
+    idle = openai.DEFAULT_CONNECTION_LIMITS.keepalive_expiry + 1
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        assert _http_get(sock, "/health").startswith(b"HTTP/1.1 200")
+        time.sleep(idle)
+        assert _http_get(sock, "/health").startswith(b"HTTP/1.1 200")
+
+
 # ---------------------------------------------------------------------------------------------- overload
 
 

@@ -74,6 +74,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
+# How long an idle keep-alive connection stays open: longer than clients keep theirs (the openai client's httpx pool
+# expires idle connections after 5 s), so that the client drops one first. At equal timeouts a request sent on a
+# connection just as the server closes it fails with "connection reset" (a reverse proxy's backend keep-alive is set
+# above the proxy's idle timeout for the same reason).
+KEEP_ALIVE_S = 75
+
+
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           model_path: str | None = None, max_waiting: int = 256, shutdown_timeout: float = 30.0,
           log_level: str = "info", sockets=None):
@@ -88,7 +95,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     app = build_app(engine, model_name, model_path, max_waiting)
     # uvicorn's own deadline, after which it cancels handlers: later than the drain's, which answers them first
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout + 5, timeout_keep_alive=5)
+                            timeout_graceful_shutdown=shutdown_timeout + 5, timeout_keep_alive=KEEP_ALIVE_S)
     return DrainingServer(config, app.state.minirt, shutdown_timeout)
 
 
