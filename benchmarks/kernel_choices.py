@@ -4,14 +4,16 @@
                                         [--out benchmarks/results]
 
 The kernels' launch choices are module constants and small functions (`minirt.kernels.gemv_triton.choose_config`
-and its constants, `minirt.kernels.paged_attention_triton.choose_num_splits`'s `MAX_SPLITS` and `SPLIT_TILE`). Here
+and its constants; in `minirt.kernels.paged_attention_triton`, `choose_num_splits`' `MAX_SPLITS` and the split-KV
+launch's `SPLIT_TILE`). Here
 each variant is a `minirt.LLM` on the same random Qwen3-0.6B-shaped checkpoint built and run with some of them
 patched (its decode graphs are captured while it is built), timed in interleaved rounds as `ab.py` times engine
 settings (512-token prompt, 256 new tokens; the first variant is the baseline). The GEMV variants follow the
 `--chain` sweep of `gemv.py`, which found down_proj faster in 2 x 2048 tiles with 8 warps in the GEMV chain
 alone (`gemv-chain-cuda-2026-12-01.json`); the split variants ask how many programs should share a short
 context's keys, and how many keys each should take.
-Writes `kernel-choices-cuda-<date>[-LABEL].json`. Needs CUDA. (Issue 23, session 11.)
+Writes `kernel-choices-cuda-<date>[-LABEL].json`, with each variant's choices as they stood inside its patches
+(`choices`). Needs CUDA. (Issue 23, session 11.)
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ def _tiles(configs: dict):
     return mock.patch.object(gemv_triton, "choose_config", choose)
 
 
+@contextlib.contextmanager
 def _constants(module, **values):
-    """The module's constants set to `values` for the block."""
-    stack = contextlib.ExitStack()
-    for name, value in values.items():
-        assert hasattr(module, name), name
-        stack.enter_context(mock.patch.object(module, name, value))
-    return stack
+    """The module's constants set to `values` for the block (AttributeError for a name it does not have)."""
+    with contextlib.ExitStack() as stack:
+        for name, value in values.items():
+            stack.enter_context(mock.patch.object(module, name, value))
+        yield
 
 
 def _splits(max_splits: int, tile: tuple[int, int, int] | None = None):
@@ -73,19 +75,43 @@ VARIANTS = {      # name -> () -> a context manager the variant is built and run
 }
 
 
+def choices(sm_count: int) -> dict:
+    """The launch choices as they stand (inside a variant's patches): the GEMV tiles of down_proj and o_proj for
+    `sm_count` SMs and the split-KV constants."""
+    return {"down_proj": list(gemv_triton.choose_config(*DOWN_PROJ, sm_count)),
+            "o_proj": list(gemv_triton.choose_config(*O_PROJ, sm_count)),
+            "MAX_BLOCK_K": gemv_triton.MAX_BLOCK_K, "MAX_SPLITS": paged_attention_triton.MAX_SPLITS,
+            "SPLIT_TILE": list(paged_attention_triton.SPLIT_TILE)}
+
+
+def variant_names(text: str) -> list[str]:
+    """"A,B,..." -> the names, each a key of VARIANTS and given once; ValueError naming --variants otherwise."""
+    names = text.split(",")
+    if unknown := [n for n in names if n not in VARIANTS]:
+        raise ValueError(f"--variants: unknown {unknown}; known: {list(VARIANTS)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"--variants: each name once, got {names}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 6}),
                             (("--variants",), {"default": ",".join(VARIANTS)}), (("--label",), {"default": ""}))
     if args is None:
         return 2
-    names = args.variants.split(",")
-    if unknown := [n for n in names if n not in VARIANTS]:
-        print(f"error: --variants: unknown {unknown}; known: {list(VARIANTS)}", file=sys.stderr)
+    try:
+        names = variant_names(args.variants)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     llms, tpot = interleaved_variants({n: (lambda model: new_llm(model, device)) for n in names}, args.rounds, device,
                                       around={n: VARIANTS[n] for n in names})
-    settings = {n: {"plan": llms[n].engine.plan.as_dict()} for n in names}
+    sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+    settings = {}
+    for n in names:
+        with VARIANTS[n]():
+            settings[n] = {"choices": choices(sm_count), "plan": llms[n].engine.plan.as_dict()}
     report_tpot(tpot, settings, args.rounds, device, args.out,
                 "-".join(filter(None, ["kernel-choices-cuda", str(datetime.date.today()), args.label])))
     return 0

@@ -367,3 +367,19 @@ def test_kernel_choices_variants_patch_what_they_name_and_restore_it():
         assert gemv_triton.choose_config(*shapes["down"], 132).block_k == 4096
     assert (paged_attention_triton.MAX_SPLITS, paged_attention_triton.SPLIT_TILE) == (splits, tile)
     assert gemv_triton.choose_config(*shapes["down"], 132) == before["down"]
+    with kernel_choices.VARIANTS["splits 8 keys 128"]():                    # what the report records per variant
+        got = kernel_choices.choices(132)
+    assert (got["MAX_SPLITS"], got["SPLIT_TILE"], got["down_proj"]) == (8, [128, 8, 2], list(before["down"]))
+    with pytest.raises(AttributeError), kernel_choices._constants(paged_attention_triton, MAX_SPLITS=4, NO_SUCH=1):
+        pass
+    assert paged_attention_triton.MAX_SPLITS == splits                        # the first patch undone too
+
+
+def test_kernel_choices_variant_names_are_known_and_given_once():
+    pytest.importorskip("triton")
+    variant_names = _benchmark_module("kernel_choices").variant_names
+    assert variant_names("default,splits 8") == ["default", "splits 8"]
+    with pytest.raises(ValueError, match=r"^--variants: each name once, got \['default', 'default'\]"):
+        variant_names("default,default")
+    with pytest.raises(ValueError, match=r"^--variants: unknown \[' 128 keys'\]"):
+        variant_names("splits 8, 128 keys")

@@ -243,6 +243,30 @@ def test_each_group_of_splits_counts_on_its_own_counter():
     torch.testing.assert_close(got[~early], oracle(ks, vs, qs)[~early], atol=2e-5, rtol=2e-5)
 
 
+def test_choose_num_splits_fills_twice_the_sms_up_to_max_splits(monkeypatch):
+    """`choose_num_splits` on a (stand-in) 132-SM GPU against brute force: the smallest power of two of splits that
+    gives the decode batch's (sequence, KV head) pairs at least two programs per SM, at most `MAX_SPLITS`; 1 for a
+    step with a prefill chunk."""
+    pytest.importorskip("triton")
+    from minirt.kernels import paged_attention_triton as module
+
+    monkeypatch.setattr(module, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")                                 # a device object only: nothing runs on it
+    for max_splits in (8, 16, 32):
+        monkeypatch.setattr(module, "MAX_SPLITS", max_splits)
+        for seqs in (1, 2, 3, 5, 8, 17, 33, 64):
+            meta = PagedAttentionMetadata(
+                slot_mapping=torch.zeros(seqs, dtype=torch.long), query_start_loc=torch.arange(seqs + 1),
+                context_lens=torch.full((seqs,), 700), block_tables=torch.zeros(seqs, 44, dtype=torch.long),
+                max_query_len=1, max_context_len=700)
+            want = 1
+            while want < max_splits and seqs * 8 * want < 2 * 132:
+                want *= 2
+            assert module.choose_num_splits(meta, 8, cuda) == want, (max_splits, seqs)
+            meta.max_query_len = 2
+            assert module.choose_num_splits(meta, 8, cuda) == 1
+
+
 def test_split_counters_refused_when_they_cannot_serve():
     pytest.importorskip("triton")
     from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for
