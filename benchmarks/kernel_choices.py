@@ -5,10 +5,9 @@
 
 The kernels' launch choices are module constants and small functions (`minirt.kernels.gemv_triton.choose_config`
 and its constants; in `minirt.kernels.paged_attention_triton`, `choose_num_splits`' `MAX_SPLITS` and the split-KV
-launch's `SPLIT_TILE`). Here
-each variant is a `minirt.LLM` on the same random Qwen3-0.6B-shaped checkpoint built and run with some of them
-patched (its decode graphs are captured while it is built), timed in interleaved rounds as `ab.py` times engine
-settings (512-token prompt, 256 new tokens; the first variant is the baseline). The GEMV variants follow the
+launch's `SPLIT_TILE`). Here each variant is a `minirt.LLM` on the same random Qwen3-0.6B-shaped checkpoint built and
+run with some of them patched (its decode graphs are captured while it is built), timed in interleaved rounds as
+`ab.py` times engine settings (512-token prompt, 256 new tokens; the first variant is the baseline). The GEMV variants follow the
 `--chain` sweep of `gemv.py`, which found down_proj faster in 2 x 2048 tiles with 8 warps in the GEMV chain
 alone (`gemv-chain-cuda-2026-12-01.json`); the split variants ask how many programs should share a short
 context's keys, and how many keys each should take.
