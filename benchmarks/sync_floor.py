@@ -28,7 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from minirt.bench import cuda_script_args, report_header, write_report  # noqa: E402
 from minirt.kernels import num_sms  # noqa: E402
-from minirt.kernels.gemv_chain_cuda import build_library  # noqa: E402
+from minirt.kernels.nvcc_build import build_library  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 SOURCE = Path(__file__).with_name("sync_floor.cu")

@@ -33,12 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from minirt.kernels import num_sms
+from minirt.kernels.nvcc_build import build_library, hopper_nvcc_missing
 
 SOURCE = Path(__file__).with_name("gemv_chain_cuda.cu")
 STAGE_BYTES = 16384         # one stage of the ring by default (gemv_chain_cuda.cu's MINIRT_STAGE_BYTES)
@@ -106,43 +102,7 @@ def reference_chain(x: torch.Tensor, layers, residual: torch.Tensor | None = Non
 def cuda_chain_missing(device: torch.device) -> list[str]:
     """What the kernel needs and does not have here (empty: it can run): a CUDA device of compute capability 9.0 or
     later, and nvcc to build it (CUDA_HOME or on the PATH)."""
-    missing = []
-    if device.type != "cuda":
-        return [f"a CUDA device (got {device.type})"]
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    if major < 9:
-        missing.append(f"compute capability 9.0 or later (got {major}.{minor})")
-    if nvcc() is None:
-        missing.append("nvcc (CUDA_HOME or on the PATH) to build the kernel")
-    return missing
-
-
-def nvcc() -> str | None:
-    """The nvcc to build with: $CUDA_HOME/bin/nvcc, else the one on the PATH (None: neither)."""
-    home = os.environ.get("CUDA_HOME")
-    if home and Path(home, "bin", "nvcc").is_file():
-        return str(Path(home, "bin", "nvcc"))
-    return shutil.which("nvcc")
-
-
-def build_library(source: Path, flags: list[str], name: str) -> ctypes.CDLL:
-    """`source` (CUDA C++) built by nvcc with `flags` into a shared library and loaded with ctypes; cached under
-    $MINIRT_CACHE (default ~/.cache/minirt) as `name-<hash of the source and flags>.so`, so a changed source or flag
-    builds anew. Raises RuntimeError with nvcc's output if the build fails."""
-    key = hashlib.sha256(source.read_bytes() + " ".join(flags).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("MINIRT_CACHE", Path.home() / ".cache" / "minirt"))
-    path = cache / f"{name}-{key}.so"
-    if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=cache) as tmp:      # built aside, then renamed: no half-written file
-            built = Path(tmp, path.name)
-            cmd = [nvcc() or "nvcc", *flags, "-shared", "-Xcompiler", "-fPIC", "-o", str(built), str(source)]
-            done = subprocess.run(cmd, capture_output=True, text=True)
-            if done.returncode:
-                raise RuntimeError(f"nvcc failed ({' '.join(cmd)}):\n{done.stdout}{done.stderr}")
-            os.replace(built, path)
-    return ctypes.CDLL(str(path))
+    return hopper_nvcc_missing(device)
 
 
 @functools.lru_cache(maxsize=None)
