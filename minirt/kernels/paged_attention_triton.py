@@ -275,9 +275,14 @@ def choose_num_splits(meta: PagedAttentionMetadata, num_kv_heads: int, device: t
     """How many programs share each decode's keys: 1 unless the batch is all decodes and has fewer
     (sequence, KV head) programs than twice the GPU's SMs; then a power of two up to MAX_SPLITS that fills them.
     Depends only on the batch's shape, so a CUDA graph captured at one batch size keeps it."""
-    programs = meta.context_lens.shape[0] * num_kv_heads
     if meta.max_query_len != 1 or device.type != "cuda":
         return 1
+    return splits_for(meta.context_lens.shape[0] * num_kv_heads, device)
+
+
+def splits_for(programs: int, device: torch.device) -> int:
+    """`choose_num_splits` for a decode batch of `programs` (sequence, KV head) pairs: the power of two up to
+    MAX_SPLITS that gives at least twice the GPU's SMs in programs (1 where `programs` already does)."""
     target = 2 * num_sms(device)
     return min(MAX_SPLITS, triton.next_power_of_2(max(1, -(-target // programs))))
 
