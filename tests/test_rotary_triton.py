@@ -32,6 +32,9 @@ def check(B, T, num_heads, num_kv_heads, head_dim, rot, norm, dtype, device, mer
     angles = torch.rand(B, T, rot // 2, generator=gen) * 50
     cos = torch.cat([angles.cos()] * 2, -1).to(dtype).to(device)
     sin = torch.cat([angles.sin()] * 2, -1).to(dtype).to(device)
+    if merged:     # ... and cos/sin as the engine passes them: the halves of one gathered table, rows strided
+        both = torch.cat([cos, sin], -1)
+        cos, sin = both[..., :rot], both[..., rot:]
     qw, kw = ((1 + 0.3 * torch.randn(head_dim, generator=gen)).to(dtype).to(device) for _ in range(2))
     weights = (qw, kw, eps) if norm else (None, None, 0.0)
     got = norm_and_rotate_triton(q, k, cos, sin, *weights, pdl=pdl, tokens_per_program=tokens_per_program,
@@ -190,8 +193,14 @@ def test_norm_and_rotate_triton_argument_errors():
                                torch.randn(1, 2, 24), None, None, 0.0)
     with pytest.raises(ValueError, match=r"^k: must be torch.float32 on cpu like q, got torch.float64"):
         norm_and_rotate_triton(q, k.double(), cos, sin, w, w, 1e-6)
-    with pytest.raises(ValueError, match=r"^cos/sin: must be contiguous \[1, 2, 16\]"):
+    with pytest.raises(ValueError, match=r"^cos/sin: must be \[1, 2, 16\] with contiguous rows"):
         norm_and_rotate_triton(q, k, cos, torch.randn(1, 2, 8), w, w, 1e-6)
+    both = torch.randn(1, 2, 32)
+    with pytest.raises(ValueError, match=r"^cos/sin: .* alike, got \(1, 2, 16\) strides \(128, 64, 1\), \(1, 2, 16\) "
+                                         r"strides \(32, 16, 1\)"):      # rows strided unlike each other
+        norm_and_rotate_triton(q, k, torch.randn(1, 2, 64)[..., :16], both[..., 16:].contiguous(), w, w, 1e-6)
+    with pytest.raises(ValueError, match=r"^cos/sin: must be \[1, 2, 16\] with contiguous rows"):
+        norm_and_rotate_triton(q, k, both[..., ::2], both[..., 1::2], w, w, 1e-6)
     with pytest.raises(ValueError, match=r"^q: each token's heads must be contiguous"):
         norm_and_rotate_triton(torch.randn(1, 2, 16, 4).transpose(2, 3), k, cos, sin, w, w, 1e-6)
     with pytest.raises(ValueError, match=r"^q_weight/k_weight: give both or neither"):
@@ -261,5 +270,5 @@ def test_norm_rotate_and_store_argument_errors():
                                      slots)
     with pytest.raises(ValueError, match=r"^slot_mapping: must be a contiguous \[2\] tensor"):
         norm_rotate_and_store_triton(q, k, v, cos, sin, None, None, 0.0, cache, cache.clone(), slots[:1])
-    with pytest.raises(ValueError, match=r"^cos/sin: must be contiguous \[1, 2, 16\]"):
+    with pytest.raises(ValueError, match=r"^cos/sin: must be \[1, 2, 16\] with contiguous rows"):
         norm_rotate_and_store_triton(q, k, v, cos, torch.randn(1, 2, 8), None, None, 0.0, cache, cache.clone(), slots)

@@ -87,16 +87,20 @@ class GreedyGemvHead(GemvLinear):
         return self.gemv(x, self.weight, self.bias, argmax_key=self.argmax_key)
 
 
-def lookup_cos_sin(cos_table: torch.Tensor, sin_table: torch.Tensor, positions: torch.Tensor):
-    """cos_table, sin_table `[P, R]`, positions `[...]` int64 -> their rows at positions, `[..., R]` each."""
-    return cos_table[positions], sin_table[positions]
+def lookup_cos_sin(table: torch.Tensor, positions: torch.Tensor):
+    """table `[P, 2R]` (each position's cos, then its sin), positions `[...]` int64 -> cos, sin `[..., R]`: the two
+    halves of the rows gathered at positions, views of one `[..., 2R]` tensor (one gather for both)."""
+    rows = table[positions]
+    half = table.shape[-1] // 2
+    return rows[..., :half], rows[..., half:]
 
 
 class CachedRotaryEmbedding(RotaryEmbedding):
-    """`RotaryEmbedding` (the same inverse frequencies) whose cos and sin are looked up per position in tables its
-    reference forward filled once, for positions 0 ... max_positions - 1 in `dtype` (vLLM's `cos_sin_cache`): a
-    step then gathers its rows of each table, two small kernels (compiled by `fused` with `fuse`), instead of the
-    product, concatenation, cos, sin, scalings and casts, nine kernels. The same values: each row is what the
+    """`RotaryEmbedding` (the same inverse frequencies) whose cos and sin are looked up per position in a table its
+    reference forward filled once, for positions 0 ... max_positions - 1 in `dtype` (vLLM's `cos_sin_cache`, each
+    row a position's cos then its sin): a step then gathers its rows, one small kernel (compiled by `fused` with
+    `fuse`), instead of the product, concatenation, cos, sin, scalings and casts, nine kernels; its cos and sin are
+    the two halves of the gathered rows (views with strided rows). The same values: each row is what the
     reference computes for that position. Other dtypes go the reference's way. Positions must lie below
     max_positions (the engine holds them below max_model_len, at most the model's max_position_embeddings). The
     plan's rotary_cache rule."""
@@ -106,14 +110,13 @@ class CachedRotaryEmbedding(RotaryEmbedding):
         self.register_buffer("inv_freq", rotary.inv_freq, persistent=False)
         self.attention_scaling, self.dtype = rotary.attention_scaling, dtype
         cos, sin = rotary(torch.arange(max_positions, device=rotary.inv_freq.device), dtype)
-        self.register_buffer("cos_table", cos, persistent=False)
-        self.register_buffer("sin_table", sin, persistent=False)
+        self.register_buffer("cos_sin_table", torch.cat([cos, sin], dim=-1), persistent=False)
         self.lookup = fused(lookup_cos_sin) if fuse else lookup_cos_sin
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if dtype != self.dtype:
             return super().forward(positions, dtype)
-        return self.lookup(self.cos_table, self.sin_table, positions)
+        return self.lookup(self.cos_sin_table, positions)
 
 
 def _with_gemv(linear: nn.Linear, kernels: ModelKernels) -> nn.Module:

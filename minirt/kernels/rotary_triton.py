@@ -186,8 +186,10 @@ def _check(q, k, cos, sin, q_weight, k_weight):
         raise ValueError(f"q: head_dim must be a power of two, got {head_dim}")
     if rot % 2 or rot > head_dim:
         raise ValueError(f"cos: the rotary dim must be even and at most head_dim = {head_dim}, got {rot}")
-    if cos.shape != (B, T, rot) or sin.shape != cos.shape or not (cos.is_contiguous() and sin.is_contiguous()):
-        raise ValueError(f"cos/sin: must be contiguous [{B}, {T}, {rot}], got {tuple(cos.shape)}, {tuple(sin.shape)}")
+    if (cos.shape != (B, T, rot) or sin.shape != cos.shape or cos.stride() != sin.stride() or cos.stride(2) != 1
+            or (B > 1 and T > 1 and cos.stride(0) != T * cos.stride(1))):
+        raise ValueError(f"cos/sin: must be [{B}, {T}, {rot}] with contiguous rows, evenly strided and alike, got "
+                         f"{tuple(cos.shape)} strides {cos.stride()}, {tuple(sin.shape)} strides {sin.stride()}")
     for name, x in (("q", q), ("k", k)):
         if x.stride(3) != 1 or x.stride(2) != head_dim or (B > 1 and x.stride(0) != T * x.stride(1)):
             raise ValueError(f"{name}: each token's heads must be contiguous and tokens evenly strided, "
@@ -210,7 +212,7 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl, store=No
     heads = num_heads + num_kv_heads * (2 if store is not None else 1)
     _norm_rotate_kernel[(triton.cdiv(B * T, block_t), heads // block_h)](
         q, k, q_out, k_out, cos, sin, q_weight if norm else q, k_weight if norm else k, eps, B * T,
-        q.stride(1), k.stride(1), cos.shape[-1], v, v_cache, slots, v.stride(-3), v_cache.stride(1),
+        q.stride(1), k.stride(1), cos.stride(1) if T > 1 else cos.stride(0), v, v_cache, slots, v.stride(-3), v_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=cos.shape[-1], NORM=norm, PDL=pdl,
         STORE=store is not None, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}))
@@ -222,7 +224,8 @@ def norm_and_rotate_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, 
                            num_warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`minirt.fast.ops.norm_and_rotate` in one kernel: q `[B, T, H, D]`, k `[B, T, Hkv, D]` (each token's
     heads contiguous; tokens may be strided, as slices of a merged q/k/v projection are), cos/sin `[B, T, R]`
-    with R <= D even, q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k. D must be a power
+    with R <= D even (rows contiguous, evenly strided and the same in both: the halves of one gathered table may be
+    passed), q_weight/k_weight `[D]` or both None (no q/k norm) -> new contiguous q, k. D must be a power
     of two. Computes in float32, rounding to q's dtype after each op as the eager reference does (equal results
     when cos, sin and the weights are in q's dtype too, as in the model). pdl: launch with
     programmatic dependent launch (see `minirt.kernels.gemv_triton.linear_gemv`). tokens_per_program, num_warps:
