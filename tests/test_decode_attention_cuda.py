@@ -2,7 +2,7 @@
 kernel, thread block clusters combining the splits) against oracles: `minirt.fast.ops.norm_rotate_and_store` in
 float64 for the rotated key in its cache slot, then `minirt.attention.paged_attention_reference` in float64 over
 that cache for the output. Kernel cases need a Hopper GPU and nvcc (skipped elsewhere); the argument checks run on
-the CPU."""
+any machine (they come before the check for the GPU)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,8 @@ CASES = [  # (num_seqs, H, Hkv, D, context lengths, splits)
     (5, 4, 2, 16, [5, 16, 31, 200, 1], 8),  # the tiny Llama's
     (2, 8, 8, 128, [90, 700], 2),          # one query head per KV head
     (1, 32, 4, 128, [513], 16),            # eight
+    (2, 32, 4, 128, [300, 40], 4),         # ... at the fewest blocks a cluster (min_splits): 256 outputs each
+    (1, 16, 4, 128, [200], 2),             # four, at two blocks: 256 outputs each
     (4, 16, 4, 64, [64, 65, 128, 1000], 1),  # no split: a cluster of one block walks every tile
 ]
 
@@ -94,19 +96,71 @@ def test_decode_attention_matches_rotation_write_and_attention(case, norm, dtype
     assert torch.equal(flat(step["v_cache"])[slots].double(), flat(v_cache)[slots])       # v is copied
     untouched = torch.ones(flat(k_cache).shape[0], dtype=torch.bool, device=slots.device)
     untouched[slots] = False
-    assert torch.equal(flat(step["k_cache"])[untouched].double(), flat(k_cache)[untouched])   # no other slot
+    for name, cache in (("k_cache", k_cache), ("v_cache", v_cache)):                      # no other slot
+        assert torch.equal(flat(step[name])[untouched].double(), flat(cache)[untouched])
+
+
+if not MISSING:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _slow_copy(Src, Dst, N, SPIN_NS: tl.constexpr, BLOCK: tl.constexpr):
+        """Dst = Src after a SPIN_NS-nanosecond spin, launched with PDL: a kernel before the CUDA kernel that is still
+        running long after the CUDA kernel has started."""
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+        t0 = tl.extra.cuda.globaltimer()
+        t = t0
+        while t - t0 < SPIN_NS:
+            t = tl.extra.cuda.globaltimer()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(Dst + offs, tl.load(Src + offs, mask=offs < N), mask=offs < N)
+
+
+def _qkv_views(step, qkv, H, Hkv, D):
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    T = qkv.shape[1]
+    step.update(q=q.view(1, T, H, D), k=k.view(1, T, Hkv, D), v=v.view(1, T, Hkv, D))
+
+
+@needs_kernel
+def test_pdl_decode_attention_reads_qkv_after_the_kernel_before():
+    """With PDL the kernel starts while the kernel before it runs and loads earlier steps' keys and values before it
+    waits; q, k and v it must load after. Here the kernel before spins for 1 ms before it writes them, and until
+    then the buffer holds values that put the output far from the oracle (checked first, so the test can fail)."""
+    from minirt.kernels import pdl_missing
+
+    if missing := pdl_missing(CUDA):
+        pytest.skip(f"PDL needs {missing}")
+    step = make_step(2, 16, 8, 128, [700, 90], torch.bfloat16, CUDA)
+    fresh = torch.cat([step[n].flatten(2) for n in ("q", "k", "v")], dim=-1)           # [1, T, (H + 2 Hkv) D]
+    qkv = torch.empty_like(fresh)
+    _qkv_views(step, qkv, 16, 8, 128)
+    caches = step["k_cache"].clone(), step["v_cache"].clone()
+    qkv.copy_(fresh)
+    want, k_want, v_want = oracle(step)
+    qkv.copy_(-4 * fresh)                                    # stale: q negated and scaled, k and v too
+    assert (decode_attention_cuda(**step).double() - want).abs().max() > 0.5
+    step["k_cache"].copy_(caches[0])
+    step["v_cache"].copy_(caches[1])
+    _slow_copy[(triton.cdiv(fresh.numel(), 1024),)](fresh, qkv, fresh.numel(), SPIN_NS=1_000_000, BLOCK=1024,
+                                                    launch_pdl=True)
+    got = decode_attention_cuda(**step, pdl=True)
+    torch.testing.assert_close(got.double(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+    torch.testing.assert_close(step["k_cache"].double(), k_want, atol=0.2, rtol=2e-2)
+    assert torch.equal(step["v_cache"].double(), v_want)
 
 
 @needs_kernel
 @pytest.mark.parametrize("pdl", [False, True], ids=["no-pdl", "pdl"])
-def test_decode_attention_in_a_cuda_graph_after_a_kernel_that_writes_qkv(pdl):
-    """Replayed in a CUDA graph behind a kernel that writes q/k/v (the projection's place), with PDL: every replay
-    reads that kernel's output, never what the early start could see before it."""
+def test_decode_attention_in_a_cuda_graph(pdl):
+    """Captured in a CUDA graph behind a kernel that writes q/k/v: every replay reads that replay's q/k/v and writes
+    its new key and value."""
     step = make_step(1, 16, 8, 128, [700], torch.bfloat16, CUDA)
-    source = torch.randn(step["q"].shape[1], 16 * 128 + 2 * 8 * 128, device=CUDA).to(torch.bfloat16)
-    qkv = torch.empty_like(source)[None]
-    q, k, v = qkv.split([16 * 128, 8 * 128, 8 * 128], dim=-1)
-    step.update(q=q.view(1, 1, 16, 128), k=k.view(1, 1, 8, 128), v=v.view(1, 1, 8, 128))
+    source = torch.randn(1, 1, 16 * 128 + 2 * 8 * 128, device=CUDA).to(torch.bfloat16)
+    qkv = torch.empty_like(source)
+    _qkv_views(step, qkv, 16, 8, 128)
     caches = step["k_cache"].clone(), step["v_cache"].clone()
 
     def run():
@@ -123,14 +177,30 @@ def test_decode_attention_in_a_cuda_graph_after_a_kernel_that_writes_qkv(pdl):
         step["k_cache"].copy_(caches[0])
         step["v_cache"].copy_(caches[1])
         graph.replay()
-        want, _, _ = oracle({**step, "k_cache": caches[0], "v_cache": caches[1]})
+        want, k_want, v_want = oracle({**step, "k_cache": caches[0], "v_cache": caches[1]})
         torch.testing.assert_close(out.double(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
+        torch.testing.assert_close(step["k_cache"].double(), k_want, atol=0.2, rtol=2e-2)
+        assert torch.equal(step["v_cache"].double(), v_want)
 
 
 def test_decode_attention_refuses_what_it_cannot_run():
-    """On any machine: the arguments are checked before a build or a launch, each error naming its argument."""
-    step = make_step(2, 4, 2, 32, [5, 9], torch.float32, torch.device("cpu"))
-    with pytest.raises(ValueError, match="q: the CUDA decode attention cannot run here"):
+    """On any machine: shapes, layouts and the split count are checked before the machine is, each error naming its
+    argument; then what this machine or model lacks, named."""
+    step = make_step(2, 32, 4, 128, [5, 9], torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"^q: the CUDA decode attention cannot run here: needs a CUDA device"):
         decode_attention_cuda(**step)
+    cases = [({"q": step["q"][:, :1]}, r"^q: must be \[1, num_seqs, H, D\] with one token per sequence \(2\)"),
+             ({"k": step["k"].double()}, r"^k: must be torch.float32 \[1, 2, 4, 128\]"),
+             ({"sin": step["sin"][..., :64]}, r"^sin: must be torch.float32 \[1, 2, 128\]"),
+             ({"k_weight": None}, r"^q_weight/k_weight: give both or neither"),
+             ({"v_cache": step["v_cache"][..., :64]},
+              r"^v_cache: must be torch.float32 \[num_blocks, block_size, 4, 128\]"),
+             ({"slot_mapping": step["slot_mapping"].int()}, r"^slot_mapping: must be int64 \[2\]"),
+             ({"num_splits": 2}, r"^num_splits: must be a power of two from 4 \(this query group's outputs"),
+             ({"num_splits": 32}, r"^num_splits: must be a power of two from 4 .* to 16, got 32"),
+             ({"num_splits": 6}, r"^num_splits: must be a power of two")]
+    for change, words in cases:
+        with pytest.raises(ValueError, match=words):
+            decode_attention_cuda(**{**step, **change})
     missing = decode_attention_missing(torch.device("cpu"), torch.float16, 96, 3, 48)
     assert missing[0].startswith("a CUDA device") and len(missing) == 5

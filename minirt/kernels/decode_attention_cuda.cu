@@ -3,15 +3,18 @@
 //
 // One cluster of NUM_SPLITS blocks per (sequence, KV head); block `split` of it takes one contiguous share of the
 // sequence's keys, as the Triton split-KV kernel does. Before its programmatic-dependent-launch wait a block loads
-// what no kernel of this forward pass writes: the metadata, cos/sin, the norm weights and its first tile of earlier
-// steps' keys and values. After it: the raw q (every block of the cluster normalizes and rotates its KV head's
-// query group itself), and in the block whose share holds the new position the raw k and v, which it rotates,
-// writes to their cache slot and uses from shared memory. Each block keeps a running softmax over its share, then
-// the cluster's blocks exchange (max, sum, weighted values) through distributed shared memory: block r combines
-// its slice of the output from every block's partials (the combine of flash-decoding, Dao et al. 2023, without
-// the second kernel or a trip through global memory; Hopper thread block clusters).
+// what the kernel before it does not write: the metadata, cos/sin, the norm weights and its first tile of earlier
+// steps' keys and values (the caller guarantees that they were written before the current run of PDL launches
+// began, as `paged_attention_triton`'s prefetch_kv says: the forward starts with a kernel launched without PDL,
+// which starts only once everything before it has finished). After it: the raw q (every block of the cluster
+// normalizes and rotates its KV head's query group itself), and in the block whose share holds the new position
+// the raw k and v, which it rotates, writes to their cache slot and uses from shared memory. Each block keeps a
+// running softmax over its share, then the cluster's blocks exchange (max, sum, weighted values) through
+// distributed shared memory: block r combines its slice of the output from every block's partials (the combine of
+// flash-decoding, Dao et al. 2023, without the second kernel or a trip through global memory; Hopper thread block
+// clusters).
 //
-// Built per (element type, head dim, query group) by nvcc with -DMINIRT_T=bf16|f32 -DMINIRT_D=16|32|64|128
+// Built per (element type, head dim, query group) by nvcc with -DMINIRT_T_F32 (else bf16) -DMINIRT_D=16|32|64|128
 // -DMINIRT_G=1|2|4|8; needs compute capability 9.0 (clusters, griddepcontrol).
 
 #include <cooperative_groups.h>
@@ -29,7 +32,7 @@ namespace cg = cooperative_groups;
 #define MINIRT_G 2
 #endif
 #ifndef MINIRT_SKIP
-#define MINIRT_SKIP 0           // benchmarks only: 1 leaves out the cluster's combine, 2 the norm and rotation,
+#define MINIRT_SKIP 0           // benchmarks only: 1 leaves out the cluster's combine, 2 the q/k norm and rotation,
                                 // 4 (with 1) launches without clusters
 #endif
 
@@ -123,7 +126,7 @@ __global__ void __launch_bounds__(THREADS) decode_attention_kernel(const Params 
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
   if (p.pdl) asm volatile("griddepcontrol.launch_dependents;");
 
-  // Before the wait: what no kernel of this forward pass writes.
+  // Before the wait: what the kernel before does not write (see the top of the file).
   const int ctx = static_cast<int>(p.context_lens[seq]);
   const int pos = ctx - 1;                                     // the new token's position
   const int per = (ctx + num_splits - 1) / num_splits;
@@ -345,7 +348,7 @@ __global__ void __launch_bounds__(THREADS) decode_attention_kernel(const Params 
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();                            // every block's partials written (release / acquire)
   const int rank = static_cast<int>(cluster.block_rank());
-  const int per_block = (G * D + num_splits - 1) / num_splits;
+  const int per_block = (G * D + num_splits - 1) / num_splits;   // at most THREADS (the caller's num_splits)
   const int i = rank * per_block + t;
   if (t < per_block && i < G * D) {
     const int g = i / D, d = i % D;
@@ -385,11 +388,14 @@ extern "C" int minirt_decode_attention_launch(
     const long long* block_tables, long long stride_bt, const long long* context_lens, int block_size, void* out,
     long long stride_out, int num_seqs, int num_kv_heads, int num_splits, int pdl, void* stream) {
   using namespace minirt_decode_attention;
-  static bool configured = false;
-  if (!configured) {
-    cudaError_t err = cudaFuncSetAttribute(decode_attention_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+  static bool configured[64] = {};           // the attribute is set per device, once
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return static_cast<int>(err);
+  if (device >= 64 || !configured[device]) {
+    err = cudaFuncSetAttribute(decode_attention_kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
     if (err != cudaSuccess) return static_cast<int>(err);
-    configured = true;
+    if (device < 64) configured[device] = true;
   }
   Params p{};
   p.q = static_cast<const T*>(q); p.k = static_cast<const T*>(k); p.v = static_cast<const T*>(v);
@@ -415,7 +421,7 @@ extern "C" int minirt_decode_attention_launch(
   attrs[1].val.programmaticStreamSerializationAllowed = pdl;
   config.attrs = attrs;
   config.numAttrs = 2;
-  cudaError_t err = cudaLaunchKernelEx(&config, decode_attention_kernel, p);
+  err = cudaLaunchKernelEx(&config, decode_attention_kernel, p);
   if (err != cudaSuccess) return static_cast<int>(err);
   return static_cast<int>(cudaGetLastError());
 }
