@@ -580,7 +580,7 @@ ON_OFF_SWITCHES = (
     ("async_scheduling", "minirt launches a step with prefill chunks before taking the tokens of the one before (auto: "
                          "with piecewise CUDA graphs)"),
     ("silu_and_mul_kernel", "minirt's SiLU-and-multiply in a Triton kernel (auto: on CUDA where Triton runs)"),
-    ("rotary_cache", "minirt looks cos and sin up per position in tables filled once (auto: on CUDA)"),
+    ("rotary_cache", "minirt looks cos and sin up per position in a table filled once (auto: on CUDA)"),
     ("argmax_in_gemv", "minirt takes a greedy one-row step's argmax in the LM head GEMV's epilogue (auto: with the "
                        "GEMV kernel)"),
 )

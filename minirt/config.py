@@ -56,7 +56,7 @@ class EngineConfig:
     between the pieces. async_scheduling: a step with prefill chunks is scheduled and launched before the host takes
     the tokens of the one before (their rows read them on the device); None: with piecewise graphs.
     silu_and_mul_kernel: SwiGLU's SiLU-and-multiply by a Triton kernel (in place of the compiled or eager one).
-    rotary_cache: each step's cos and sin looked up per position in tables filled once (vLLM's cos_sin_cache), not
+    rotary_cache: each step's cos and sin looked up per position in a table filled once (vLLM's cos_sin_cache), not
     computed. argmax_in_gemv: a greedy one-row step's argmax taken in the LM head GEMV's epilogue, the logits never
     written.
     """

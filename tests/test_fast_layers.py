@@ -202,7 +202,7 @@ def test_gemv_linear_one_row_test_counts_rows_not_elements():
 @pytest.mark.parametrize("fuse", [False, True], ids=["indexed", "compiled"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cached_rotary_embedding_gives_the_reference_cos_and_sin(tiny_model_path, dtype, fuse, device):
-    """The tables' rows are exactly what `RotaryEmbedding` computes for each position (the first and the last one
+    """The table's rows are exactly what `RotaryEmbedding` computes for each position (the first and the last one
     included), for a decode batch `[B, 1]` and a prompt `[1, T]`; another dtype takes the reference's way."""
     from minirt.model.layers import RotaryEmbedding
 
@@ -222,7 +222,7 @@ def test_cached_rotary_embedding_gives_the_reference_cos_and_sin(tiny_model_path
 
 @pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton GEMV kernel needs CUDA or Triton's interpreter")
 def test_greedy_head_and_rotary_cache_with_the_triton_kernels_equal_transformers(tiny_model_path):
-    """With the cos/sin tables and the LM head's argmax in the Triton GEMV's epilogue: a prompt's logits stay those of
+    """With the cos/sin table and the LM head's argmax in the Triton GEMV's epilogue: a prompt's logits stay those of
     transformers, a one-token forward's greedy token is transformers' argmax, and two rows are refused."""
     from minirt.kernels.gemv_triton import linear_gemv
 

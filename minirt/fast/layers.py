@@ -10,7 +10,7 @@ parameters, by modules that run the same sums with fewer kernels and fewer trips
   at batch 1, each layer's norms in its prologue (`NormInGemvLayer`);
 * the q/k norm and rotation in one kernel, optionally writing the K/V cache too (`FastAttention`);
 * each GEMV asking the L2 cache for the next one's weights (`bind_l2_prefetch`);
-* cos and sin looked up per position in tables filled once (`CachedRotaryEmbedding`);
+* cos and sin looked up per position in a table filled once (`CachedRotaryEmbedding`);
 * a greedy step's argmax in the LM head GEMV's epilogue (`GreedyGemvHead`).
 
 Which of them run is the plan's (`minirt.fast.plan`); the functions that run them are a `ModelKernels`
