@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from minirt.bench import report_header, write_report  # noqa: E402
+from overlap_probe import graph  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 H, HKV, D, HIDDEN, BLOCK = 16, 8, 128, 1024, 16
@@ -88,12 +90,7 @@ def capture(variant: str, mode: str, layers, x, cos, sin):
             h = linear_gemv(out.view(1, 1, H * D), layer["w_o"], pdl=True) if mode == "chain" else h
         return h
 
-    forward()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        forward()
-    return graph
+    return graph(forward)
 
 
 def main(argv: list[str] | None = None) -> int:

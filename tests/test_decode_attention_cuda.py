@@ -204,3 +204,18 @@ def test_decode_attention_refuses_what_it_cannot_run():
             decode_attention_cuda(**{**step, **change})
     missing = decode_attention_missing(torch.device("cpu"), torch.float16, 96, 3, 48)
     assert missing[0].startswith("a CUDA device") and len(missing) == 5
+
+
+@pytest.mark.parametrize("capability,nvcc,want", [
+    ((9, 0), "/usr/bin/nvcc", []),
+    ((10, 0), "/usr/bin/nvcc", []),
+    ((8, 0), "/usr/bin/nvcc", ["compute capability 9.0 or later (got 8.0)"]),
+    ((9, 0), None, ["nvcc (CUDA_HOME or on the PATH) to build the kernel"])])
+def test_what_a_hopper_kernel_built_here_needs(monkeypatch, capability, nvcc, want):
+    """`hopper_nvcc_missing` on a CUDA device of each capability, with and without nvcc (faked: any machine)."""
+    from minirt.kernels import nvcc_build
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    monkeypatch.setattr(nvcc_build, "nvcc", lambda: nvcc)
+    assert nvcc_build.hopper_nvcc_missing(torch.device("cuda", 0)) == want
+    assert nvcc_build.hopper_nvcc_missing(torch.device("cpu")) == ["a CUDA device (got cpu)"]

@@ -59,13 +59,11 @@ def flash_attn_missing(device: torch.device, head_dim: int, dtype: torch.dtype, 
     device of compute capability 8.0 or later, flash-attn-4 or flash-attn 2 importable, float16 or bfloat16,
     head_dim a multiple of 8 up to 256, and for flash-attn 2 a block_size that is a multiple of 256.
     `api` overrides `flash_attn_api()` (tests)."""
+    from minirt.kernels import capability_missing
+
+    missing = capability_missing(device, 8)
     if device.type != "cuda":
-        return [f"a CUDA device (got {device.type})"]
-    missing = []
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    if major < 8:
-        missing.append(f"compute capability 8.0 or later (got {major}.{minor})")
+        return missing
     name, mod = api if api is not None else flash_attn_api()
     if name is None:
         missing.append(f"flash-attn-4 or flash-attn installed (pip install flash-attn-4; got {mod})")

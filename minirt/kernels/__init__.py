@@ -22,6 +22,16 @@ def triton_missing(device: torch.device, head_dim: int | None = None) -> list[st
     return [need for need, ok in needs if not ok]
 
 
+def capability_missing(device: torch.device, major_needed: int) -> list[str]:
+    """What a kernel for compute capability `major_needed`.0 or later needs and `device` does not have (empty: it
+    can run): a CUDA device, of that capability."""
+    if device.type != "cuda":
+        return [f"a CUDA device (got {device.type})"]
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    major, minor = torch.cuda.get_device_capability(index)
+    return [] if major >= major_needed else [f"compute capability {major_needed}.0 or later (got {major}.{minor})"]
+
+
 @functools.lru_cache(maxsize=None)
 def pdl_missing(device: torch.device) -> tuple[str, ...]:
     """What programmatic dependent launch (PDL) needs and does not have here (empty: it can run): a CUDA

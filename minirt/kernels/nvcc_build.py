@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from minirt.kernels import capability_missing
+
 
 def nvcc() -> str | None:
     """The nvcc to build with: $CUDA_HOME/bin/nvcc, else the one on the PATH (None: neither)."""
@@ -25,13 +27,9 @@ def nvcc() -> str | None:
 def hopper_nvcc_missing(device: torch.device) -> list[str]:
     """What a Hopper kernel built here needs and does not have (empty: it can run): a CUDA device of compute
     capability 9.0 or later, and nvcc to build it (CUDA_HOME or on the PATH)."""
+    missing = capability_missing(device, 9)
     if device.type != "cuda":
-        return [f"a CUDA device (got {device.type})"]
-    missing = []
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    if major < 9:
-        missing.append(f"compute capability 9.0 or later (got {major}.{minor})")
+        return missing
     if nvcc() is None:
         missing.append("nvcc (CUDA_HOME or on the PATH) to build the kernel")
     return missing
