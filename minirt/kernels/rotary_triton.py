@@ -46,7 +46,8 @@ def _norm_rotate_kernel(Q, K, QOut, KOut, Cos, Sin, QW, KW, eps, num_tokens, str
                         BLOCK_H: tl.constexpr = 1, BLOCK_T: tl.constexpr = 1):
     if PDL:     # programmatic dependent launch: the next kernel may start; this one waits (`_wait`) only before it
         tl.extra.cuda.gdc_launch_dependents()       # reads the projection's q, k and v: cos, sin, the norms' weights
-                                                    # and the slots load before (no kernel of the forward writes them)
+                                                    # and the slots load before (written before this run of PDL
+                                                    # launches began: by the host or by kernels launched without PDL)
     # One program: heads h0 .. h0 + BLOCK_H - 1 of [q heads | k heads | v heads] of tokens t0 .. t0 + BLOCK_T - 1,
     # as BLOCK_T * BLOCK_H rows (a token's heads adjacent); BLOCK_H divides NUM_HEADS and NUM_KV_HEADS, so the
     # heads are all of one kind. `token` and `head` are each row's.
@@ -212,7 +213,8 @@ def _launch(q, k, cos, sin, q_weight, k_weight, eps, q_out, k_out, pdl, store=No
     heads = num_heads + num_kv_heads * (2 if store is not None else 1)
     _norm_rotate_kernel[(triton.cdiv(B * T, block_t), heads // block_h)](
         q, k, q_out, k_out, cos, sin, q_weight if norm else q, k_weight if norm else k, eps, B * T,
-        q.stride(1), k.stride(1), cos.stride(1) if T > 1 else cos.stride(0), v, v_cache, slots, v.stride(-3), v_cache.stride(1),
+        q.stride(1), k.stride(1), cos.stride(1) if T > 1 else cos.stride(0), v, v_cache, slots, v.stride(-3),
+        v_cache.stride(1),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, ROT=cos.shape[-1], NORM=norm, PDL=pdl,
         STORE=store is not None, BLOCK_H=block_h, BLOCK_T=block_t, num_warps=warps,
         **({"launch_pdl": True} if pdl else {}))
