@@ -50,6 +50,8 @@ def layer_inputs(context: int, device, gen):
         v_cache=torch.randn(blocks, BLOCK, HKV, D, generator=gen).to(bf16).to(device),
         block_tables=tables, context_lens=torch.tensor([context], device=device),
         slot_mapping=(tables[0, pos // BLOCK] * BLOCK + pos % BLOCK).reshape(1),
+        query_start_loc=torch.tensor([0, 1], device=device),
+        qkv=torch.randn(1, 1, H * D + 2 * HKV * D, generator=gen).to(bf16).to(device),   # the `alone` mode's input
         q_weight=(1 + 0.1 * torch.randn(D, generator=gen)).to(bf16).to(device),
         k_weight=(1 + 0.1 * torch.randn(D, generator=gen)).to(bf16).to(device))
 
@@ -117,9 +119,6 @@ def main(argv: list[str] | None = None) -> int:
 
     gen = torch.Generator().manual_seed(0)
     layers = [layer_inputs(args.context, device, gen) for _ in range(args.layers)]
-    for layer in layers:
-        layer["query_start_loc"] = torch.tensor([0, 1], device=device)
-        layer["qkv"] = torch.randn(1, 1, H * D + 2 * HKV * D, generator=gen).to(torch.bfloat16).to(device)
     x = torch.randn(1, 1, HIDDEN, generator=gen).to(torch.bfloat16).to(device)
     angles = (args.context - 1) * 1e6 ** (-torch.arange(0, D, 2).double() / D)
     cos = torch.cat([angles.cos()] * 2)[None, None].to(torch.bfloat16).to(device)
