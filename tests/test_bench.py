@@ -240,7 +240,7 @@ def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
 
 @pytest.mark.parametrize("script", ["profile_throughput", "overlap_probe", "persistent_attention_probe",
                                     "decode_gemms", "step_timeline", "batch1_ablation", "sync_floor", "split_tile",
-                                    "kernel_choices", "decode_attention"])
+                                    "kernel_choices", "decode_attention", "combine_o_proj_probe"])
 def test_cuda_only_scripts_exit_2_without_cuda(script):
     if __import__("torch").cuda.is_available():
         pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")

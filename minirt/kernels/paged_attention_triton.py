@@ -291,7 +291,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: PagedAttentionMetadata, num_splits: int | None = None, pdl: bool = False,
                            split_counters: torch.Tensor | None = None, prefetch_kv: bool = True,
                            chunk_tile: tuple[int, int, int] | None = None,
-                           chunk_block_m: int | None = None) -> torch.Tensor:
+                           chunk_block_m: int | None = None, partials: bool = False):
     """q `[num_tokens, H, D]`, k/v cache `[num_blocks, block_size, Hkv, D]` -> `[num_tokens, H, D]`.
 
     One launch for a decode batch; a step whose chunks have `CHUNK_MIN_TOKENS` new tokens or more (and no split-KV)
@@ -326,6 +326,10 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     chunk_tile, chunk_block_m: the chunk launch's (BLOCK_N, num_warps, num_stages) and query rows per tile, in place
     of `CHUNK_TILE` and `CHUNK_BLOCK_M` (None; rows a power of two), so that a benchmark can compare tilings in
     one process.
+    partials: with split-KV (and split_counters None), return the splits' partial results `(acc [num_tokens, H,
+    num_splits, D], m [num_tokens, H, num_splits], l [...])` (running max and sum of each split's softmax, float32)
+    and launch no combine: a caller combines them (`minirt.kernels.combine_o_proj_triton`). Without split-KV the
+    output as usual.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -378,6 +382,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *args, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, PREFETCH=prefetch_kv and num_splits > 1,
         LAST_COMBINES=last_combines, ROWS=ROWS_ALL, num_warps=warps, num_stages=stages, **common)
     if num_splits > 1 and not last_combines:
+        if partials:
+            return part_acc, part_m, part_l
         _combine_splits_kernel[(num_tokens, num_heads)](out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
                                                         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, **launch)
     return out
