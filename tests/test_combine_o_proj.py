@@ -142,3 +142,13 @@ def test_refuses_what_it_cannot_run():
         combine_o_proj(acc, m, l, w, torch.zeros(63, device=device), counters, torch.float32)
     with pytest.raises(ValueError, match="counters"):
         combine_o_proj(acc, m, l, w, None, counters.float(), torch.float32)
+
+
+def test_partials_without_split_kv_are_the_output():
+    """`partials=True` returns the splits' results only where there are splits; one split: the output as usual."""
+    from minirt.kernels.paged_attention_triton import paged_attention_triton
+
+    attention_inputs, parts, _, _, _ = one_token_case(3, 4, 2, 32, torch.float32, 8, False)
+    assert isinstance(parts, tuple) and parts[0].shape[2] > 1
+    got = paged_attention_triton(*attention_inputs, num_splits=1, partials=True)
+    assert torch.equal(got, paged_attention_triton(*attention_inputs, num_splits=1))
