@@ -1,6 +1,6 @@
 """What each of a batch-1 decode step's kernels costs on its critical path: the step timed without it.
 
-    python benchmarks/batch1_ablation.py [--rounds 4] [--out benchmarks/results]
+    python benchmarks/batch1_ablation.py [--rounds 4] [--variants NAME ...] [--out benchmarks/results]
 
 With programmatic dependent launch the kernels of a step overlap, so a profile's kernel times no longer add up to
 the step, and a kernel's own duration is not what the step would save without it. Here every variant is a
@@ -14,7 +14,10 @@ tokens). The tokens of a variant are garbage: only its time means anything. The 
 * `attention`: the attention kernel and its combine;
 * `rotary+combine`: what one kernel for the rotation, the K/V write, attention and the combine could save at most;
 * `rotary+attention`: the step's GEMVs, the LM head and its per-step kernels (embedding, cos and sin, the final norm,
-  the sampler, the burst's input advance) alone.
+  the sampler, the burst's input advance) alone;
+* `o_proj`, `down_proj` (session 13): that GEMV left out, its input's first columns (a view, no kernel) taken for its
+  output; what one kernel boundary fewer between attention and the MLP, or inside the MLP, could save at most (the
+  GEMV before it still asks the L2 cache for its weights; the one left out no longer asks for the next one's).
 
 Prints each variant's TPOT median, its ratio to the default's, and the time saved per layer (28 layers), and
 writes `batch1-ablation-cuda-<date>.json`. Needs CUDA. (Issue 23, session 9.)
@@ -34,11 +37,30 @@ import torch
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from ab import interleaved_variants, new_llm  # noqa: E402
 from minirt.bench import cuda_script_args, report_header, write_report  # noqa: E402
+from minirt.fast.layers import GemvLinear  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 VARIANTS = {"default": (), "rotary": ("rotary",), "combine": ("combine",), "attention": ("attention", "combine"),
-            "rotary+combine": ("rotary", "combine"), "rotary+attention": ("rotary", "attention", "combine")}
+            "rotary+combine": ("rotary", "combine"), "rotary+attention": ("rotary", "attention", "combine"),
+            "o_proj": ("o_proj",), "down_proj": ("down_proj",)}
 LAYERS = 28
+
+
+class _FirstColumns(GemvLinear):
+    """Stands in for a projection: its input's first out_features columns, a view, no kernel."""
+
+    def forward(self, x):
+        return x[..., :self.out_features]
+
+
+def _replacing(cls, name: str):
+    """A patch of `cls.__init__` that, after it, swaps the module's projection `name` for a `_FirstColumns`."""
+    init = cls.__init__
+
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        setattr(self, name, _FirstColumns(getattr(self, name), lambda *args, **kwargs: None))
+    return mock.patch.object(cls, "__init__", patched)
 
 
 class _NoLaunch:
@@ -53,6 +75,7 @@ def left_out(parts: tuple[str, ...]):
     """The kernels of `parts` replaced by functions that launch nothing, while an engine is built (its decode graphs
     are captured then)."""
     from minirt.fast.attention import KernelPagedAttention
+    from minirt.fast.layers import FastAttention, FastMLP
 
     patches = []
     if "rotary" in parts:      # the rotated q is q itself; the K/V cache is not written
@@ -62,6 +85,10 @@ def left_out(parts: tuple[str, ...]):
         patches.append(mock.patch("minirt.kernels.paged_attention_triton._combine_splits_kernel", _NoLaunch()))
     if "attention" in parts:
         patches.append(mock.patch.object(KernelPagedAttention, "attend", lambda self, layer_idx, q: q))
+    if "o_proj" in parts:
+        patches.append(_replacing(FastAttention, "o_proj"))
+    if "down_proj" in parts:
+        patches.append(_replacing(FastMLP, "down_proj"))
     with contextlib.ExitStack() as stack:
         for p in patches:
             stack.enter_context(p)
@@ -69,9 +96,12 @@ def left_out(parts: tuple[str, ...]):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 4}))
+    args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 4}),
+                            (("--variants",), {"nargs": "+", "choices": list(VARIANTS), "default": list(VARIANTS),
+                                               "help": "which to time (default: all; the first is the baseline)"}))
     if args is None:
         return 2
+    variants = {name: VARIANTS[name] for name in args.variants}
     device = torch.device("cuda")
 
     def build(parts):
@@ -80,16 +110,16 @@ def main(argv: list[str] | None = None) -> int:
                 return new_llm(model, device)
         return make
 
-    llms, tpot = interleaved_variants({name: build(parts) for name, parts in VARIANTS.items()}, args.rounds, device)
-    base = statistics.median(tpot["default"])
+    llms, tpot = interleaved_variants({name: build(parts) for name, parts in variants.items()}, args.rounds, device)
+    base = statistics.median(tpot[args.variants[0]])
     rows = []
     for name, runs in tpot.items():
         med = statistics.median(runs)
         rows.append([name, med * 1e3, med / base, (base - med) / LAYERS * 1e6,
                      " ".join(f"{x * 1e3:.3f}" for x in runs)])
-    print(format_table(["left out", "TPOT median ms", "x default", "saved per layer us", "every run (ms)"], rows))
+    print(format_table(["left out", "TPOT median ms", "x first", "saved per layer us", "every run (ms)"], rows))
     report = {**report_header(device), "workload": {"prompt_len": 512, "new_tokens": 256, "rounds": args.rounds},
-              "variants": {name: list(parts) for name, parts in VARIANTS.items()},
+              "variants": {name: list(parts) for name, parts in variants.items()},
               "plan": next(iter(llms.values())).engine.plan.as_dict(), "tpot_s": tpot,
               "tpot_median_s": {name: statistics.median(v) for name, v in tpot.items()}}
     write_report(report, args.out, f"batch1-ablation-cuda-{datetime.date.today()}")
