@@ -19,7 +19,8 @@ tokens). The tokens of a variant are garbage: only its time means anything. The 
   output; what one kernel boundary fewer between attention and the MLP, or inside the MLP, could save at most (the
   GEMV before it still asks the L2 cache for its weights; the one left out no longer asks for the next one's).
 
-Prints each variant's TPOT median, its ratio to the default's, and the time saved per layer (28 layers), and
+Prints each variant's TPOT median, its ratio to the first variant's (`default` unless --variants names another
+first), and the time saved per layer against it (28 layers), and
 writes `batch1-ablation-cuda-<date>.json`. Needs CUDA. (Issue 23, session 9.)
 """
 

@@ -9,7 +9,8 @@ the default plan built (and its decode graphs captured) while `FastAttention` is
 way, the attention kernel returning its splits' partial results (`paged_attention_triton(partials=True)`) and the
 new kernel taking o_proj's weight and its L2 prefetch of gate/up's weights; one variant per row tile (`--block-n`).
 Interleaved rounds as `ab.py`'s; `batch1_ablation.py`'s `o_proj` variant gives what leaving o_proj out saves, the most
-this can. Prints each variant's TPOT median and ratio to the default's and writes
+this can (a loose bound: it also drops o_proj's weight reads; session 9's `combine` ablation, 0.79 µs a layer, is the
+tight one). Prints each variant's TPOT median and ratio to the default's and writes
 `combine-o-proj-probe-cuda-<date>.json`. Needs CUDA.
 """
 
@@ -31,6 +32,7 @@ from minirt.bench import cuda_script_args, make_prompts, report_header, run_mini
 from minirt.fast.attention import KernelPagedAttention  # noqa: E402
 from minirt.fast.layers import FastAttention, GemvLinear, one_row  # noqa: E402
 from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for  # noqa: E402
+from minirt.kernels.paged_attention_triton import paged_attention_triton  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 
@@ -44,7 +46,10 @@ def o_proj_in_combine(block_n: int):
         self.o_counters = counters_for(self.o_proj.out_features, self.o_proj.weight.device, block_n)
 
     def patched_attend(self, q, k, v, cos, sin, attn):
+        kernel = getattr(attn, "kernel", None)
         if not (one_row(q) and self.rotate_and_store is not None and isinstance(attn, KernelPagedAttention)
+                and getattr(kernel, "func", None) is paged_attention_triton
+                and kernel.keywords.get("split_counters") is None
                 and isinstance(self.o_proj, GemvLinear) and hasattr(self, "o_counters")):
             return attend(self, q, k, v, cos, sin, attn)
         B, T, _ = q.shape
@@ -75,6 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 6}),
                             (("--block-n",), {"type": int, "nargs": "+", "default": [64, 32]}))
     if args is None:
+        return 2
+    if bad := [n for n in args.block_n if n < 1 or n & (n - 1)]:
+        print(f"--block-n: each must be a power of two, got {bad}", file=sys.stderr)
         return 2
     device = torch.device("cuda")
     around = {f"combine_o_proj-{n}": o_proj_in_combine(n) for n in args.block_n}

@@ -37,7 +37,8 @@ def one_token_case(seed, num_heads, num_kv_heads, head_dim, dtype, out_features,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("out_features,bias", [(96, False), (100, True)], ids=["rows96", "rows100-bias"])
+@pytest.mark.parametrize("out_features,bias", [(96, False), (100, False), (100, True)],
+                         ids=["rows96", "rows100", "rows100-bias"])
 def test_combine_o_proj_matches_the_oracle(dtype, out_features, bias):
     """A row count that is not a multiple of the row tile, with and without a bias; counters zeroed afterwards."""
     from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for
@@ -54,18 +55,26 @@ def test_combine_o_proj_matches_the_oracle(dtype, out_features, bias):
 
 
 def test_head_outputs_are_the_combine_kernels_bit_for_bit():
-    """With o_proj the identity, each output row is one head's combined output (the other heads add zeros): the
-    kernel's combine gives the combine kernel's bits, rounded as that kernel stores them."""
+    """With o_proj a 0/1 matrix whose row i picks output i and one output of the next head, each output row is the
+    sum of two head outputs (the other products add zeros, and two float32 sums of one value each add exactly): the
+    kernel's combine gives the combine kernel's bits, rounded to the model's dtype as that kernel stores them
+    before o_proj reads them (in bf16 on CUDA, where leaving that rounding out changes rows)."""
     from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for
     from minirt.kernels.paged_attention_triton import paged_attention_triton
 
     dtype = torch.bfloat16 if CUDA else torch.float32
-    attention_inputs, parts, _, _, _ = one_token_case(11, 4, 2, 32, dtype, 8, False)
+    head_dim = 32
+    attention_inputs, parts, _, _, _ = one_token_case(11, 4, 2, head_dim, dtype, 8, False)
     splits = parts[0].shape[2]
     combined = paged_attention_triton(*attention_inputs, num_splits=splits).reshape(-1)
-    eye = torch.eye(combined.numel(), dtype=dtype, device=combined.device)
-    got = combine_o_proj(*parts, eye, None, counters_for(combined.numel(), eye.device, 32), dtype, block_n=32)
-    assert torch.equal(got, combined)
+    n = combined.numel()
+    rows = torch.arange(n, device=combined.device)
+    pick = torch.zeros(n, n, dtype=dtype, device=combined.device)
+    pick[rows, rows] = 1
+    pick[rows, (rows + head_dim) % n] = 1
+    want = (combined.float() + combined.float()[(rows + head_dim) % n]).to(dtype)
+    got = combine_o_proj(*parts, pick, None, counters_for(n, pick.device, 32), dtype, block_n=32)
+    assert torch.equal(got, want)
 
 
 @pytest.mark.skipif(not CUDA, reason="the two-kernel comparison at Qwen3-0.6B's shapes runs on CUDA")
@@ -91,38 +100,55 @@ def test_same_as_the_combine_kernel_then_the_gemv_and_the_same_on_every_run(dtyp
 
 
 @pytest.mark.skipif(not CUDA, reason="PDL and CUDA graphs need CUDA")
-def test_in_a_cuda_graph_with_pdl_behind_attention():
-    """As a decode step runs it: attention's partials, then this kernel with PDL and the L2 prefetch of another
-    weight, captured in one graph; every replay gives the two kernels' result and leaves the counters zeroed."""
+def test_in_a_cuda_graph_with_pdl_behind_a_slow_writer():
+    """As a decode step runs it, with PDL and the L2 prefetch of another weight, captured in one graph: behind a
+    kernel that spins for 1 ms before it writes the splits' partial results, which until then hold values that put
+    o_proj far from the answer (checked first, so the test can fail). Every replay gives the bits the kernel gives
+    without PDL, within one bf16 step of the combine kernel then `linear_gemv`, and leaves the counters zeroed."""
+    from pdl_writer import slow_copy
+
     from minirt.kernels import pdl_missing
     from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for
-    from minirt.kernels.gemv_triton import l2_prefetch_table
+    from minirt.kernels.gemv_triton import l2_prefetch_table, linear_gemv
     from minirt.kernels.paged_attention_triton import paged_attention_triton
 
-    if pdl_missing(torch.device("cuda")):
-        pytest.skip(f"PDL needs {pdl_missing(torch.device('cuda'))}")
+    if missing := pdl_missing(torch.device("cuda")):
+        pytest.skip(f"PDL needs {missing}")
     dtype = torch.bfloat16
-    attention_inputs, _, weight, _, _ = one_token_case(9, 16, 8, 128, dtype, 1024, False, ctx=(600, 800))
-    expected = combine_o_proj(*paged_attention_triton(*attention_inputs, partials=True), weight, None,
-                              counters_for(1024, weight.device), dtype)
+    attention_inputs, fresh_parts, weight, _, _ = one_token_case(9, 16, 8, 128, dtype, 1024, False, ctx=(600, 800))
+    two_kernels = linear_gemv(paged_attention_triton(*attention_inputs).reshape(1, -1), weight)[0]
+    expected = combine_o_proj(*fresh_parts, weight, None, counters_for(1024, weight.device), dtype)
+    fresh = torch.cat([t.flatten() for t in fresh_parts])
+    flat = torch.empty_like(fresh)                        # the partials the kernel reads: views of one buffer
+    sizes = [t.numel() for t in fresh_parts]
+    parts = [view.view(t.shape) for view, t in zip(flat.split(sizes), fresh_parts)]
+    stale = fresh.clone()
+    stale[:sizes[0]] *= -4                                # every split's accumulator negated and scaled
+    flat.copy_(stale)
+    assert (combine_o_proj(*parts, weight, None, counters_for(1024, weight.device), dtype).float()
+            - expected.float()).abs().max() > 2 * expected.float().abs().max()
     counters = counters_for(1024, weight.device)
-    table = l2_prefetch_table([torch.zeros(3 * 1024 * 1024, dtype=dtype, device="cuda")])
+    prefetched = torch.zeros(3 * 1024 * 1024, dtype=dtype, device="cuda")    # kept: the table holds its address
+    table = l2_prefetch_table([prefetched])
     stream = torch.cuda.Stream()
     with torch.cuda.stream(stream):
         for _ in range(2):            # compile outside the capture
-            parts = paged_attention_triton(*attention_inputs, pdl=True, partials=True)
+            slow_copy(fresh, flat, 0)
             combine_o_proj(*parts, weight, None, counters, dtype, pdl=True, l2_prefetch=table)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        parts = paged_attention_triton(*attention_inputs, pdl=True, partials=True)
+        slow_copy(fresh, flat)
         out = combine_o_proj(*parts, weight, None, counters, dtype, pdl=True, l2_prefetch=table)
-    for _ in range(5):
+    for _ in range(3):
+        flat.copy_(stale)
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
         assert counters.count_nonzero() == 0
+    step = torch.finfo(dtype).eps * two_kernels.float().abs() + 1e-6
+    assert ((expected.float() - two_kernels.float()).abs() <= step).all()
 
 
 def test_refuses_what_it_cannot_run():
@@ -140,8 +166,20 @@ def test_refuses_what_it_cannot_run():
         combine_o_proj(acc, m, l, w[:, :64], None, counters, torch.float32)
     with pytest.raises(ValueError, match="bias"):
         combine_o_proj(acc, m, l, w, torch.zeros(63, device=device), counters, torch.float32)
+    with pytest.raises(ValueError, match="bias: must be a contiguous"):
+        combine_o_proj(acc, m, l, w, torch.zeros(64, 2, device=device)[:, 0], counters, torch.float32)
     with pytest.raises(ValueError, match="counters"):
         combine_o_proj(acc, m, l, w, None, counters.float(), torch.float32)
+    with pytest.raises(ValueError, match="counters: must be a contiguous"):
+        combine_o_proj(acc, m, l, w, None, counters_for(256, device)[::2], torch.float32)
+    with pytest.raises(ValueError, match="l2_prefetch"):
+        combine_o_proj(acc, m, l, w, None, counters, torch.float32, l2_prefetch=torch.zeros(4, 3, dtype=torch.int64,
+                                                                                           device=device))
+    with pytest.raises(ValueError, match="block_n: must be a power of two"):
+        combine_o_proj(acc, m, l, w, None, counters_for(64, device, 48), torch.float32, block_n=48)
+    with pytest.raises(ValueError, match="splits: must be a power of two"):
+        combine_o_proj(acc[:, :, :1].expand(1, 4, 3, 32).contiguous(), m[:, :, :1].expand(1, 4, 3).contiguous(),
+                       l[:, :, :1].expand(1, 4, 3).contiguous(), w, None, counters, torch.float32)
 
 
 def test_partials_without_split_kv_are_the_output():

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdl_writer import slow_copy
+
 from minirt.attention import PagedAttentionMetadata, paged_attention_reference
 from minirt.fast.ops import norm_rotate_and_store
 from minirt.kernels.decode_attention_cuda import decode_attention_cuda, decode_attention_missing
@@ -100,24 +102,6 @@ def test_decode_attention_matches_rotation_write_and_attention(case, norm, dtype
         assert torch.equal(flat(step[name])[untouched].double(), flat(cache)[untouched])
 
 
-if not MISSING:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _slow_copy(Src, Dst, N, SPIN_NS: tl.constexpr, BLOCK: tl.constexpr):
-        """Dst = Src after a SPIN_NS-nanosecond spin, launched with PDL: a kernel before the CUDA kernel that is still
-        running long after the CUDA kernel has started."""
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-        t0 = tl.extra.cuda.globaltimer()
-        t = t0
-        while t - t0 < SPIN_NS:
-            t = tl.extra.cuda.globaltimer()
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        tl.store(Dst + offs, tl.load(Src + offs, mask=offs < N), mask=offs < N)
-
-
 def _qkv_views(step, qkv, H, Hkv, D):
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     T = qkv.shape[1]
@@ -144,8 +128,7 @@ def test_pdl_decode_attention_reads_qkv_after_the_kernel_before():
     assert (decode_attention_cuda(**step).double() - want).abs().max() > 0.5
     step["k_cache"].copy_(caches[0])
     step["v_cache"].copy_(caches[1])
-    _slow_copy[(triton.cdiv(fresh.numel(), 1024),)](fresh, qkv, fresh.numel(), SPIN_NS=1_000_000, BLOCK=1024,
-                                                    launch_pdl=True)
+    slow_copy(fresh, qkv)
     got = decode_attention_cuda(**step, pdl=True)
     torch.testing.assert_close(got.double(), want, atol=2e-2 * want.abs().max().item(), rtol=2e-2)
     torch.testing.assert_close(step["k_cache"].double(), k_want, atol=0.2, rtol=2e-2)

@@ -4,8 +4,8 @@ issue 23, not used by the engine: at batch 1 it was slower than the combine kern
 
 At batch 1 split-KV attention (`minirt.kernels.paged_attention_triton`) leaves each query head's output as
 NUM_SPLITS partial results; a combine kernel turns them into the head's output, and o_proj, a GEMV over all heads'
-outputs, runs after it. Every kernel boundary on a batch-1 step's path costs about a microsecond and a half even
-with programmatic dependent launch (benchmarks/README.md, issue 23). o_proj is linear, so it can be split by head:
+outputs, runs after it. A kernel boundary on a batch-1 step's path costs time even with programmatic dependent
+launch (benchmarks/README.md, issue 23, measures it). o_proj is linear, so it can be split by head:
 `out = sum_h W[:, h*D:(h+1)*D] @ o_h`. Here program (h, tile) loads its `[BLOCK_N, D]` slice of W before it waits
 for attention, combines head h's splits (the combine kernel's sums, rounded to the model's dtype as that kernel
 stores them), multiplies, and stores `BLOCK_N` float32 partial sums. The last of the heads' programs to finish a
@@ -85,7 +85,8 @@ def combine_o_proj(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.T
     None, both in `dtype`; counters: `counters_for(N, ...)` (zeroed; left zeroed) -> `[N]` in dtype. The head
     outputs are the combine kernel's, rounded to dtype; o_proj's float32 sums run per head, then over heads in
     head order. pdl and l2_prefetch as in `minirt.kernels.gemv_triton.linear_gemv` (the caller checks that they
-    can run). Raises ValueError naming the argument whose shape, dtype or device does not fit."""
+    can run). Raises ValueError naming the argument whose shape, dtype, layout or device does not fit, or whose size
+    (head_dim, splits, block_n) is not a power of two."""
     if part_acc.dim() != 4 or part_acc.shape[0] != 1 or part_acc.dtype != torch.float32 or not part_acc.is_contiguous():
         raise ValueError(f"part_acc: must be a contiguous float32 [1, heads, splits, head_dim], got "
                          f"{part_acc.dtype} {tuple(part_acc.shape)}")
@@ -97,14 +98,23 @@ def combine_o_proj(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.T
     if weight.dim() != 2 or weight.shape[1] != heads * head_dim or not weight.is_contiguous() or weight.dtype != dtype:
         raise ValueError(f"weight: must be a contiguous {dtype} [N, {heads * head_dim}], got {weight.dtype} "
                          f"{tuple(weight.shape)}")
+    for name, value in (("head_dim", head_dim), ("splits", splits), ("block_n", block_n)):
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name}: must be a power of two (a Triton block), got {value}")
     n = weight.shape[0]
-    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != dtype):
-        raise ValueError(f"bias: must be {dtype} [{n}], got {bias.dtype} {tuple(bias.shape)}")
-    if counters.dtype != torch.int32 or counters.numel() < triton.cdiv(n, block_n):
-        raise ValueError(f"counters: must be int32 with at least {triton.cdiv(n, block_n)} elements "
-                         f"(counters_for), got {counters.dtype} with {counters.numel()}")
-    for name, t in (("weight", weight), ("counters", counters), ("part_m", part_m), ("part_l", part_l)):
-        if t.device != part_acc.device:
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype != dtype or not bias.is_contiguous()):
+        raise ValueError(f"bias: must be a contiguous {dtype} [{n}], got {bias.dtype} {tuple(bias.shape)}, strides "
+                         f"{tuple(bias.stride())}")
+    if counters.dtype != torch.int32 or counters.numel() < triton.cdiv(n, block_n) or not counters.is_contiguous():
+        raise ValueError(f"counters: must be a contiguous int32 tensor with at least {triton.cdiv(n, block_n)} "
+                         f"elements (counters_for), got {counters.dtype} with {counters.numel()}")
+    if l2_prefetch is not None and (l2_prefetch.dtype != torch.int64 or l2_prefetch.dim() != 2
+                                    or l2_prefetch.shape[1] != 2 or not l2_prefetch.is_contiguous()):
+        raise ValueError(f"l2_prefetch: must be a contiguous int64 [chunks, 2] table (l2_prefetch_table), got "
+                         f"{l2_prefetch.dtype} {tuple(l2_prefetch.shape)}")
+    for name, t in (("weight", weight), ("bias", bias), ("counters", counters), ("part_m", part_m),
+                    ("part_l", part_l), ("l2_prefetch", l2_prefetch)):
+        if t is not None and t.device != part_acc.device:
             raise ValueError(f"{name}: must be on {part_acc.device} like part_acc, got {t.device}")
     out = torch.empty(n, dtype=dtype, device=weight.device)
     part = torch.empty(heads, n, dtype=torch.float32, device=weight.device)
