@@ -12,13 +12,19 @@ except ImportError:     # no Triton: the PDL tests skip before they get here
     triton = None
 else:
     @triton.jit
-    def _slow_copy_kernel(Src, Dst, N, SPIN_NS: tl.constexpr, BLOCK: tl.constexpr):
+    def spin_before_writing(SPIN_NS: tl.constexpr):
+        """In a kernel launched with PDL: let the next kernel start, wait for the one before, then spin SPIN_NS
+        nanoseconds before the writes that follow."""
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
         t0 = tl.extra.cuda.globaltimer()
         t = t0
         while t - t0 < SPIN_NS:
             t = tl.extra.cuda.globaltimer()
+
+    @triton.jit
+    def _slow_copy_kernel(Src, Dst, N, SPIN_NS: tl.constexpr, BLOCK: tl.constexpr):
+        spin_before_writing(SPIN_NS)
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         tl.store(Dst + offs, tl.load(Src + offs, mask=offs < N), mask=offs < N)
 

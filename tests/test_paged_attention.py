@@ -371,6 +371,7 @@ def test_triton_kernels_with_pdl_equal_without(decode_only):
 if CUDA:
     import triton
     import triton.language as tl
+    from pdl_writer import spin_before_writing
 
     @triton.jit
     def _slow_store_kv(K, V, KCache, VCache, slot_mapping, stride_t, stride_slot, QSrc, Q, SPIN_NS: tl.constexpr,
@@ -378,12 +379,7 @@ if CUDA:
         """`store_kv_triton`'s write, and the copy of each token's query row QSrc -> Q, after a SPIN_NS-nanosecond
         spin: a kernel before attention that is still running long after attention, launched with PDL, has
         started."""
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-        t0 = tl.extra.cuda.globaltimer()
-        t = t0
-        while t - t0 < SPIN_NS:
-            t = tl.extra.cuda.globaltimer()
+        spin_before_writing(SPIN_NS)
         token = tl.program_id(0)
         slot = tl.load(slot_mapping + token).to(tl.int64)
         offs = tl.arange(0, ROW)
