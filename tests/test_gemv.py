@@ -334,6 +334,29 @@ def test_gemv_argmax_cuda(k, n, with_bias, norm, dtype):
 
 @pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_gemv_argmax_orders_nan_as_torch_argmax(dtype):
+    """NaN logits, as a broken model gives them: torch.argmax puts any NaN above every number (the first NaN row
+    wins), and so must the epilogue's argmax. NaN rows in two programs of 8-row tiles, a row of +inf between them, a
+    NaN weight of either sign; and with no NaN, the inf row."""
+    from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
+
+    device = "cuda" if CUDA else "cpu"
+    key = torch.zeros(1, dtype=torch.int64, device=device)
+    x = torch.ones(1, 16, dtype=dtype, device=device)
+    for nan_rows, sign in (((37, 50), 1.0), ((37, 50), -1.0), ((50, 37), -1.0), ((), 1.0)):
+        w = torch.randn(64, 16, generator=torch.Generator().manual_seed(3)).to(dtype).to(device)
+        w[20, 0] = float("inf")
+        for row in nan_rows:
+            w[row, 3] = sign * float("nan")
+        logits = linear_gemv(x, w, config=GemvConfig(8, 16, 1, 1))
+        want = logits.argmax(dim=-1).item()
+        assert want == (min(nan_rows) if nan_rows else 20)           # the oracle's order, checked first
+        assert linear_gemv(x, w, argmax_key=key, config=GemvConfig(8, 16, 1, 1)).item() == want, (nan_rows, sign)
+        assert key.item() == 0
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_gemv_argmax_takes_the_first_of_equal_logits(dtype):
     """Equal logits in rows of different programs (8-row tiles: rows 3 and 60, 5 and 6 in one) and the largest
     among negative ones: the lowest row wins, as torch.argmax's."""

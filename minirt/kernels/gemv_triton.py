@@ -83,12 +83,16 @@ def _argmax_into(Key, logits, rows, row_ok):
     """Fold this program's best logit into `Key` (one int64, read as unsigned): the largest of `logits` `[BLOCK_N]`
     (float32 values of the output dtype) and its first row, packed so that a larger key means a larger logit and,
     among equal logits, a lower row, then taken with an atomic maximum. Once every program has run, Key holds the
-    argmax over all rows with torch.argmax's ties (the first index). A float's bits, as an unsigned integer, sort
-    like the float once negatives have all their bits flipped and the others their sign bit set."""
-    logits = tl.where(row_ok, logits, float("-inf"))
+    argmax over all rows with torch.argmax's ties (the first index) and its NaN order (a NaN, of either sign, above
+    every number: the first NaN row wins). A float's bits, as an unsigned integer, sort like the float once negatives
+    have all their bits flipped and the others their sign bit set."""
+    is_nan = (logits != logits) & row_ok
+    any_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
+    logits = tl.where(row_ok & ~is_nan, logits, float("-inf"))
     best = tl.max(logits, axis=0)
-    first = tl.min(tl.where(logits == best, rows, 2147483647), axis=0)
+    first = tl.min(tl.where(tl.where(any_nan, is_nan, logits == best), rows, 2147483647), axis=0)
     bits = (best + 0.0).to(tl.int32, bitcast=True)        # + 0.0: -0.0 becomes +0.0, so equal logits pack equally
+    bits = tl.where(any_nan, 0x7FC00000, bits)            # every NaN as the one positive quiet NaN: above +inf
     ordered = tl.where(bits < 0, ~bits, bits | -2147483648).to(tl.uint32, bitcast=True)
     key = (ordered.to(tl.uint64) << 32) | (4294967295 - first.to(tl.int64)).to(tl.uint64)
     tl.atomic_max(Key.to(tl.pointer_type(tl.uint64)), key, sem="relaxed")
@@ -282,11 +286,11 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     finds them in L2 (the weight streaming of persistent "megakernels", one kernel early). A hint: the result
     does not change.
     argmax_key: None, or an int64 `[1]` tensor on x's device holding 0: the call returns the argmax of the row's
-    logits, int64 `[...]` (x's leading dims; ties to the first index, as `torch.argmax`), in place of the logits,
-    which never go to memory: each program folds its best logit and row into argmax_key with an atomic maximum, and
-    a one-program kernel after the product reads the winner and sets argmax_key back to 0 (greedy sampling in the
-    LM head's epilogue; the logits compared are those the call would return, rounded to x.dtype). Not with
-    silu_and_mul, or config's split_k > 1.
+    logits, int64 `[...]` (x's leading dims; ties to the first index and any NaN above every number, as
+    `torch.argmax`), in place of the logits, which never go to memory: each program folds its best logit and row
+    into argmax_key with an atomic maximum, and a one-program kernel after the product reads the winner and sets
+    argmax_key back to 0 (greedy sampling in the LM head's epilogue; the logits compared are those the call would
+    return, rounded to x.dtype). Not with silu_and_mul, or config's split_k > 1.
     config: block sizes (None: `choose_config`). No host syncs: safe inside a CUDA graph capture.
     Raises ValueError naming the argument for shapes, strides, dtypes or devices that do not fit."""
     if x.dim() == 0 or math.prod(x.shape[:-1]) != 1:
