@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minirt.kernels.gemv_triton import _prefetch_l2
+from minirt.kernels.gemv_triton import _prefetch_l2, check_l2_prefetch
 
 BLOCK_N = 64        # o_proj rows per program: 16 row tiles x 16 heads = 256 programs for Qwen3-0.6B's 1024 rows
 NUM_WARPS = 4
@@ -108,12 +108,10 @@ def combine_o_proj(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.T
     if counters.dtype != torch.int32 or counters.numel() < triton.cdiv(n, block_n) or not counters.is_contiguous():
         raise ValueError(f"counters: must be a contiguous int32 tensor with at least {triton.cdiv(n, block_n)} "
                          f"elements (counters_for), got {counters.dtype} with {counters.numel()}")
-    if l2_prefetch is not None and (l2_prefetch.dtype != torch.int64 or l2_prefetch.dim() != 2
-                                    or l2_prefetch.shape[1] != 2 or not l2_prefetch.is_contiguous()):
-        raise ValueError(f"l2_prefetch: must be a contiguous int64 [chunks, 2] table (l2_prefetch_table), got "
-                         f"{l2_prefetch.dtype} {tuple(l2_prefetch.shape)}")
+    if l2_prefetch is not None:
+        check_l2_prefetch(l2_prefetch, part_acc.device)
     for name, t in (("weight", weight), ("bias", bias), ("counters", counters), ("part_m", part_m),
-                    ("part_l", part_l), ("l2_prefetch", l2_prefetch)):
+                    ("part_l", part_l)):
         if t is not None and t.device != part_acc.device:
             raise ValueError(f"{name}: must be on {part_acc.device} like part_acc, got {t.device}")
     out = torch.empty(n, dtype=dtype, device=weight.device)

@@ -258,6 +258,15 @@ def prefetch_chunks(spans: list[tuple[int, int]], chunk_bytes: int) -> list[tupl
             for address, nbytes in spans for start in range(0, nbytes, chunk_bytes)]
 
 
+def check_l2_prefetch(table: torch.Tensor, device: torch.device) -> None:
+    """Raise ValueError naming l2_prefetch unless `table` is what `l2_prefetch_table` builds: a contiguous int64
+    `[chunks, 2]` tensor on `device`."""
+    if (table.dtype != torch.int64 or table.device != device or table.dim() != 2 or table.shape[1] != 2
+            or not table.is_contiguous()):
+        raise ValueError(f"l2_prefetch: must be a contiguous int64 [chunks, 2] table on {device} "
+                         f"(l2_prefetch_table), got {table.dtype} {tuple(table.shape)} on {table.device}")
+
+
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 config: GemvConfig | None = None, silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False,
@@ -334,12 +343,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if missing := pdl_missing(x.device):
             name = "pdl: programmatic dependent launch" if pdl else "l2_prefetch: the bulk prefetch into L2"
             raise ValueError(f"{name} needs {' and '.join(missing)}")
-    if l2_prefetch is not None and (l2_prefetch.dtype != torch.int64 or l2_prefetch.device != x.device
-                                    or l2_prefetch.dim() != 2 or l2_prefetch.shape[1] != 2
-                                    or not l2_prefetch.is_contiguous()):
-        raise ValueError(f"l2_prefetch: must be a contiguous int64 [chunks, 2] table on {x.device} "
-                         f"(l2_prefetch_table), got {l2_prefetch.dtype} {tuple(l2_prefetch.shape)} on "
-                         f"{l2_prefetch.device}")
+    if l2_prefetch is not None:
+        check_l2_prefetch(l2_prefetch, x.device)
 
     if argmax_key is not None and n == 0:
         raise ValueError("weight: the argmax needs at least one row, got none")
