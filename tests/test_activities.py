@@ -245,6 +245,34 @@ def test_source_ref_lines_and_markers():
         activities.resolve("minirt.no_such_module.thing")
 
 
+def test_definition_source_matches_inspect(tmp_path):
+    """Oracle: `inspect.getsource` of the same objects in pure-Python modules (decorators included), and the
+    exact lines of a file written here; a missing name raises LookupError naming it."""
+    import inspect
+
+    from minirt import scheduler
+    from minirt.course import workloads
+
+    assert activities.definition_source(scheduler.__file__, "split_budget") == inspect.getsource(scheduler.split_budget)
+    assert activities.definition_source("minirt/scheduler.py", "Scheduler") == inspect.getsource(scheduler.Scheduler)
+    assert (activities.definition_source(workloads.__file__, "count_ops")
+            == inspect.getsource(workloads.count_ops))                           # its @contextmanager line too
+    assert activities.definition_source(workloads.__file__, "count_ops").startswith("@contextlib.contextmanager")
+    both = activities.definition_source(scheduler.__file__, "Scheduler", "split_budget")
+    assert both == inspect.getsource(scheduler.Scheduler) + "\n" + inspect.getsource(scheduler.split_budget)
+    module = tmp_path / "kernels.py"
+    table = "TABLE: tuple[int, ...] = (\n    1,  # one\n    2,\n)\n"
+    body = "@decorate(x=1)\n@other\ndef kernel(a,\n           b):\n    return a  # why\n"
+    module.write_text("import nothing_importable\n\n" + table + "\n\n" + body + "\nX = Y = 3\n")
+    assert activities.definition_source(module, "TABLE") == table
+    assert activities.definition_source(module, "kernel") == body
+    assert activities.definition_source(str(module), "Y") == "X = Y = 3\n"
+    with pytest.raises(LookupError, match="'no_such_kernel'"):
+        activities.definition_source(module, "kernel", "no_such_kernel")
+    with pytest.raises(ValueError, match="names"):
+        activities.definition_source(module)
+
+
 NAME = re.compile(r"(?<![\w.])minirt(?:\.[A-Za-z_]\w*)+")
 REF_CALLS = {"source_ref", "show_source"}
 ACTIVITY_CALLS = {"quiz", "treasure_hunt", "recap", "score"}

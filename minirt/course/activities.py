@@ -22,6 +22,7 @@ the file and line range are computed from the code, so a reference never goes st
 
 from __future__ import annotations
 
+import ast
 import html
 import importlib
 import inspect
@@ -312,6 +313,45 @@ def source_ref(name: str, marker: str | None = None, end_marker: str | None = No
             if text.strip():
                 stop = k
     return SourceRef(name, str(Path(file).resolve()), start + hit, start + stop, marker)
+
+
+def definition_source(path, *names: str) -> str:
+    """The exact source lines of the named top-level definitions of a .py file, read as text (never imported).
+
+    path: a file, or a path relative to the directory holding the package ("minirt/kernels/gemv_triton.py").
+    names: top-level functions and classes (with their decorators, as `inspect.getsource` gives them) or
+    names assigned at the top level (`RULES: tuple[Rule, ...] = (...)`); the result is their lines in the
+    order asked, separated by one blank line. Cutting at definitions keeps an excerpt unchanged when anything
+    else in the file changes, and a kernel file needs no Triton to be read. Raises LookupError naming the
+    file and the missing name, or ValueError when no name is given.
+    """
+    if not names:
+        raise ValueError("names: give at least one top-level name")
+    file = Path(path)
+    if not file.is_absolute() and not file.exists():
+        file = PACKAGE_ROOT.parent / file
+    text = file.read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    spans = {}
+    for node in ast.parse(text, filename=str(file)).body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            found = [node.name]
+        elif isinstance(node, ast.Assign):
+            found = [t.id for t in node.targets if isinstance(t, ast.Name)]
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            found = [node.target.id]
+        else:
+            continue
+        start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        for name in found:
+            spans[name] = (start, node.end_lineno)
+    parts = []
+    for name in names:
+        if name not in spans:
+            raise LookupError(f"{file.name}: no top-level definition named {name!r}")
+        start, end = spans[name]
+        parts.append("".join(lines[start - 1:end]))
+    return "\n".join(part if part.endswith("\n") else part + "\n" for part in parts)
 
 
 def show_source(name: str, marker: str | None = None, end_marker: str | None = None):
