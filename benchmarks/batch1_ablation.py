@@ -37,7 +37,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from ab import interleaved_variants, new_llm  # noqa: E402
-from minirt.bench import cuda_script_args, report_header, write_report  # noqa: E402
+from minirt.bench import report_header, write_report  # noqa: E402
+from harness import cuda_script_args  # noqa: E402
 from minirt.fast.layers import GemvLinear  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 

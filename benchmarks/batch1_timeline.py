@@ -28,7 +28,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from ab import new_llm  # noqa: E402
-from minirt.bench import build_random_qwen3, cuda_script_args, make_prompts, report_header, run_minirt, write_report  # noqa: E402,E501
+from minirt.bench import build_random_qwen3, make_prompts, report_header, run_minirt, write_report  # noqa: E402
+from harness import cuda_script_args  # noqa: E402
 
 LAYERS = 28
 

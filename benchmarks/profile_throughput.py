@@ -36,19 +36,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import minirt
-from minirt.bench import (
-    SETTINGS_OPTION,
-    WORKLOADS,
-    build_random_qwen3,
-    copy_bandwidth,
-    cuda_script_args,
-    cuda_seconds,
-    make_prompts,
-    report_header,
-    run_minirt,
-    script_settings,
-    write_report,
-)
+from minirt.bench import (WORKLOADS, build_random_qwen3, copy_bandwidth, make_prompts, report_header, run_minirt,
+                          write_report)
+from harness import SETTINGS_OPTION, cuda_script_args, cuda_seconds, script_settings
 
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("attention", ("_paged_attention_kernel", "_combine_splits")),

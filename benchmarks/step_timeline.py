@@ -27,8 +27,8 @@ import time
 import torch
 
 import minirt
-from minirt.bench import (SETTINGS_OPTION, WORKLOADS, build_random_qwen3, cuda_script_args, make_prompts,
-                          report_header, script_settings, write_report)
+from minirt.bench import WORKLOADS, build_random_qwen3, make_prompts, report_header, write_report
+from harness import SETTINGS_OPTION, cuda_script_args, script_settings
 
 WRAPPED = (("scheduler", "schedule"), ("engine", "postprocess"), ("runner", "prepare_lists"), ("runner", "forward"),
            ("runner", "sample"), ("runner", "finish_step"), ("runner", "finish_decode_steps"), ("runner", "execute"),

@@ -1,9 +1,10 @@
 """The kernels of a step with prefill chunks, this tree's against a base tree's, at the throughput workload's shapes.
 
-    python benchmarks/prefill_kernels.py --base work/base [--out benchmarks/results]
+    python lab/probes/prefill_kernels.py --base work/base [--out lab/results/prefill-kernels]
 
 A step of the throughput workload with prefill chunks carries 8,192 tokens through Qwen3-0.6B's 28 layers; its
-profile (issue 23's log) puts SwiGLU's SiLU-and-multiply (`torch.compile`'s kernel) at 86 us a layer, the q/k norm,
+profile (`lab/pages/prefill-kernels.md`) puts SwiGLU's SiLU-and-multiply (`torch.compile`'s kernel) at 86 us a
+layer, the q/k norm,
 rotation and K/V write at 74 us and the chunks' attention at ~250 us, where the first two need about 35 and 31 us
 for their bytes at the copy bandwidth. This times, in one process, each of them as this tree runs it and as the tree
 under `--base` (a folder holding a `minirt/`, e.g. `git archive REV minirt | tar -x -C work/base`) runs it, plus the
@@ -21,12 +22,16 @@ import importlib.util
 import os
 import random
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from minirt.attention import PagedAttentionMetadata
-from minirt.bench import cuda_graph_seconds, cuda_script_args, report_header, write_report
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]       # minirt from this tree; harness, ab
+from harness import cuda_graph_seconds, cuda_script_args  # noqa: E402
+from minirt.attention import PagedAttentionMetadata  # noqa: E402
+from minirt.bench import report_header, write_report  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTERMEDIATE, BLOCK = 16, 8, 128, 1024, 3072, 16      # Qwen3-0.6B
 
@@ -202,7 +207,8 @@ def attention_rows(base_attention, report: dict) -> None:
 
 @torch.inference_mode()
 def main(argv=None) -> int:
-    args = cuda_script_args(__doc__, __file__, argv, (("--base",), {"required": True, "help": "folder with minirt/"}))
+    args = cuda_script_args(__doc__, __file__, argv, (("--base",), {"required": True, "help": "folder with minirt/"}),
+                            out_dir=str(REPO / "lab" / "results" / "prefill-kernels"))
     if args is None:
         return 2
     torch.manual_seed(0)

@@ -1,6 +1,6 @@
-"""Tried and dropped (issue 23, session 3): decode attention as a persistent Triton kernel, against minirt's.
+"""Tried and dropped (2026-12-01): decode attention as a persistent Triton kernel, against minirt's.
 
-    python benchmarks/persistent_attention_probe.py [--out benchmarks/results]
+    python lab/probes/persistent_attention_probe.py [--out lab/results/persistent-attention]
 
 `minirt.kernels.paged_attention_triton` launches one program per (sequence, KV head) of a decode batch: at 256
 sequences 2,048 programs of 1 to 9 tiles of keys, each paying its own ramp (the first tile's load latency), and a
@@ -10,9 +10,9 @@ boundaries. Items go longest context first (`decode_order`), dealt in snake orde
 which balances the programs' sums of tiles without atomics (Graham's longest-processing-time list scheduling);
 Triton's persistent matmul tutorial flattens its loops the same way.
 
-It lost to minirt's kernel, so it is not in the package (the figures: `benchmarks/README.md`, issue 23's log,
-session 3). Each variant is checked against minirt's kernel (bf16, max abs difference in the JSON) and, once,
-against `paged_attention_reference` in float32. Times are us per launch in CUDA graphs of 28 launches (one per
+It lost to minirt's kernel, so it is not in the package (the figures: `lab/pages/persistent-attention.md`). Each
+variant is checked against minirt's kernel (bf16, max abs difference in the JSON) and, once, against
+`paged_attention_reference` in float32. Times are us per launch in CUDA graphs of 28 launches (one per
 layer). Needs CUDA.
 """
 
@@ -20,15 +20,19 @@ from __future__ import annotations
 
 import datetime
 import sys
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
-from minirt.attention import PagedAttentionMetadata, paged_attention_reference
-from minirt.bench import cuda_graph_seconds, cuda_script_args, make_prompts, report_header, write_report
-from minirt.kernels import num_sms
-from minirt.kernels.paged_attention_triton import _attend_tile, paged_attention_triton
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]       # minirt from this tree; harness, ab
+from harness import cuda_graph_seconds, cuda_script_args  # noqa: E402
+from minirt.attention import PagedAttentionMetadata, paged_attention_reference  # noqa: E402
+from minirt.bench import make_prompts, report_header, write_report  # noqa: E402
+from minirt.kernels import num_sms  # noqa: E402
+from minirt.kernels.paged_attention_triton import _attend_tile, paged_attention_triton  # noqa: E402
 
 PERSISTENT_TILE = (128, 4, 2)          # (BLOCK_N keys, num_warps, num_stages), as paged attention's DECODE_TILE
 
@@ -140,7 +144,7 @@ def graph_us(fn) -> float:
 
 
 def main(argv=None) -> int:
-    args = cuda_script_args(__doc__, __file__, argv)
+    args = cuda_script_args(__doc__, __file__, argv, out_dir=str(REPO / "lab" / "results" / "persistent-attention"))
     if args is None:
         return 2
     dev = torch.device("cuda")

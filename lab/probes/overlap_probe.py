@@ -1,14 +1,14 @@
-"""Tried and dropped (issue 23, session 3): can a 256-sequence decode step overlap its memory-bound attention with its
+"""Tried and dropped (2026-12-01): can a 256-sequence decode step overlap its memory-bound attention with its
 compute-bound GEMMs by running two 128-sequence halves at once (NanoFlow's nano-batches, two-batch overlap)?
 
-    python benchmarks/overlap_probe.py [--out benchmarks/results]
+    python lab/probes/overlap_probe.py [--out lab/results/two-streams]
 
 On the bench's random Qwen3-0.6B-shaped model, in CUDA graphs (ms per graph): (a) the 28 layers' decode attention at
 128 sequences (contexts of 818 tokens, the throughput workload's mean) and the 28 layers' four GEMMs at M = 128, each
 alone, one after the other, and on two streams at once; two attention graphs over different sequences likewise;
 (b) the engine's whole decode forward at 256 sequences against two 128-sequence forwards, one after the other and on
 two streams at once. If two streams beat one after the other by little, the GPU does not run the two kinds of work
-side by side, and splitting the batch cannot pay (the figures: `benchmarks/README.md`, issue 23's log, session 3).
+side by side, and splitting the batch cannot pay (the figures: `lab/pages/two-streams.md`).
 Writes `overlap-probe-cuda-<date>.json` with the commit. Needs CUDA.
 """
 
@@ -17,14 +17,18 @@ from __future__ import annotations
 import datetime
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import minirt
-from minirt.attention import PagedAttentionMetadata
-from minirt.bench import build_random_qwen3, cuda_script_args, cuda_seconds, report_header, write_report
-from minirt.fast.cuda_graphs import DecodeGraphs
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]       # minirt from this tree; harness, ab
+import minirt  # noqa: E402
+from harness import cuda_script_args, cuda_seconds  # noqa: E402
+from minirt.attention import PagedAttentionMetadata  # noqa: E402
+from minirt.bench import build_random_qwen3, report_header, write_report  # noqa: E402
+from minirt.fast.cuda_graphs import DecodeGraphs  # noqa: E402
 
 CONTEXT, BLOCK = 818, 16
 
@@ -62,7 +66,7 @@ def graph(fn) -> torch.cuda.CUDAGraph:
 
 @torch.inference_mode()
 def main(argv=None) -> int:
-    args = cuda_script_args(__doc__, __file__, argv)
+    args = cuda_script_args(__doc__, __file__, argv, out_dir=str(REPO / "lab" / "results" / "two-streams"))
     if args is None:
         return 2
     dev = torch.device("cuda")

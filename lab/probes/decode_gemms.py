@@ -1,9 +1,9 @@
 """The GEMMs of a decode burst at 128 and 256 rows: cuBLAS (`F.linear`) against a plain Triton `tl.dot` kernel.
 
-    python benchmarks/decode_gemms.py [--out benchmarks/results]
+    python lab/probes/decode_gemms.py [--out lab/results/kernel-choices-and-tiles]
 
-At 256 sequences a decode step spends about 0.9 ms in cuBLAS's GEMMs (issue 23's log: 28 layers x q/k/v, o_proj,
-gate/up and down_proj, plus the LM head), about half the bf16 GEMM rate for their FLOPs; the N = 1024 products
+At 256 sequences a decode step spends about 0.9 ms in cuBLAS's GEMMs (`lab/pages/throughput-ceiling.md`: 28
+layers x q/k/v, o_proj, gate/up and down_proj, plus the LM head), about half the bf16 GEMM rate for their FLOPs; the N = 1024 products
 (o_proj, down_proj) have only 16-32 output tiles of 128 x 64 for 132 SMs. Before writing a fused GEMM for the
 engine, this measures what a plain Triton kernel reaches at those shapes, with split-K (several programs share
 one output tile's K, then a second kernel sums their float32 partials; CUTLASS's and Triton's split-K) for the
@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import datetime
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from minirt.bench import cuda_graph_seconds, cuda_script_args, report_header, write_report
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]       # minirt from this tree; harness, ab
+from harness import cuda_graph_seconds, cuda_script_args  # noqa: E402
+from minirt.bench import report_header, write_report  # noqa: E402
 
 LAYERS = 28
 SHAPES = {"qkv_proj": (4096, 1024), "o_proj": (1024, 2048), "gate_up_proj": (6144, 1024), "down_proj": (1024, 3072),
@@ -99,7 +103,7 @@ def relative_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> float
 
 @torch.inference_mode()
 def main(argv=None) -> int:
-    args = cuda_script_args(__doc__, __file__, argv)
+    args = cuda_script_args(__doc__, __file__, argv, out_dir=str(REPO / "lab" / "results" / "kernel-choices-and-tiles"))
     if args is None:
         return 2
     dev = torch.device("cuda")

@@ -1,6 +1,6 @@
 """How far ahead, and how much, should a batch-1 GEMV ask the L2 cache for? An interleaved A/B on CUDA.
 
-    python benchmarks/l2_prefetch.py [--rounds 8] [--out benchmarks/results]
+    python lab/probes/l2_prefetch.py [--rounds 8] [--out lab/results/l2-prefetch]
 
 `EngineConfig.l2_prefetch` has each one-row GEMV of a decode step ask L2 for the weights of the GEMV right after
 it (`minirt.fast.layers.bind_l2_prefetch`, ahead=1, count=1). Here each setting gets a
@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]       # minirt from this tree; harness, ab
 from ab import interleaved_variants, new_llm, report_tpot  # noqa: E402
 
 
@@ -43,7 +43,7 @@ def rebind(llm, ahead: int, count: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=8, help="requests per setting (default 8)")
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--out", default=str(REPO / "lab" / "results" / "l2-prefetch"))
     args = parser.parse_args(argv)
     if args.rounds < 1:
         print(f"error: --rounds: must be >= 1, got {args.rounds}", file=sys.stderr)

@@ -1,15 +1,15 @@
 """The split-KV attention launch's tile at small decode batches: TPOT per tile, interleaved.
 
-    python benchmarks/split_tile.py [--rounds 6] [--out benchmarks/results]
+    python lab/probes/split_tile.py [--rounds 6] [--out lab/results/kernel-choices-and-tiles]
 
 `paged_attention_triton` splits a decode's keys over several programs when a decode batch has fewer (sequence, KV
 head) pairs than twice the SMs (`choose_num_splits`): batch 1 to 32 of Qwen3-0.6B. Those launches take
 `SPLIT_TILE` (keys per tile, warps, pipeline stages); the decode and chunk tiles were swept at 256 sequences and on
-prefill chunks (benchmarks/README.md, issue 23, session 1), the split tile's warps were not. Here every tile gets a
+prefill chunks (`lab/pages/throughput-ceiling.md`), the split tile's warps were not. Here every tile gets a
 `minirt.LLM` on the same random Qwen3-0.6B-shaped checkpoint, built with `SPLIT_TILE` set to it while its decode
 graphs are captured, and each round runs, on each in turn (the order alternating), one request and then a batch of
 8 (512-token prompts, 256 new tokens each), as `ab.py` does. Prints TPOT medians and their ratio to the first tile's,
-and writes `split-tile-cuda-<date>.json`. Needs CUDA. (Issue 23, session 9.)
+and writes `split-tile-cuda-<date>.json`. Needs CUDA. The figures: `lab/pages/kernel-choices-and-tiles.md`.
 """
 
 from __future__ import annotations
@@ -24,10 +24,11 @@ from unittest import mock
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]       # minirt from this tree; harness, ab
 from ab import new_llm  # noqa: E402
-from minirt.bench import (build_random_qwen3, cuda_script_args, make_prompts, report_header, run_minirt,  # noqa: E402
-                          write_report)
+from harness import cuda_script_args  # noqa: E402
+from minirt.bench import build_random_qwen3, make_prompts, report_header, run_minirt, write_report  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 TILES = [(64, 4, 3), (64, 8, 3), (64, 8, 2), (64, 8, 4)]     # (keys per tile, warps, stages); the first: the baseline
@@ -35,7 +36,8 @@ BATCHES = (1, 8)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 6}))
+    args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 6}),
+                            out_dir=str(REPO / "lab" / "results" / "kernel-choices-and-tiles"))
     if args is None:
         return 2
     from minirt.kernels import paged_attention_triton

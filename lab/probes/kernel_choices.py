@@ -1,7 +1,7 @@
 """The batch-1 step under other kernel choices (GEMV tiles, split-KV splits): TPOT per choice, interleaved.
 
-    python benchmarks/kernel_choices.py [--rounds 6] [--variants NAME,NAME,...] [--label LABEL]
-                                        [--out benchmarks/results]
+    python lab/probes/kernel_choices.py [--rounds 6] [--variants NAME,NAME,...] [--label LABEL]
+                                        [--out lab/results/kernel-choices-and-tiles]
 
 The kernels' launch choices are module constants and small functions (`minirt.kernels.gemv_triton.choose_config`
 and its constants; in `minirt.kernels.paged_attention_triton`, `choose_num_splits`' `MAX_SPLITS` and the split-KV
@@ -9,10 +9,10 @@ launch's `SPLIT_TILE`). Here each variant is a `minirt.LLM` on the same random Q
 run with some of them patched (its decode graphs are captured while it is built), timed in interleaved rounds as
 `ab.py` times engine settings (512-token prompt, 256 new tokens; the first variant is the baseline). The GEMV variants follow the
 `--chain` sweep of `gemv.py`, which found down_proj faster in 2 x 2048 tiles with 8 warps in the GEMV chain
-alone (`gemv-chain-cuda-2026-12-01.json`); the split variants ask how many programs should share a short
-context's keys, and how many keys each should take.
+alone (`lab/results/gemv-chain/triton-persistent-chain.json`); the split variants ask how many programs
+should share a short context's keys, and how many keys each should take.
 Writes `kernel-choices-cuda-<date>[-LABEL].json`, with each variant's choices as they stood inside its patches
-(`choices`). Needs CUDA. (Issue 23, session 11.)
+(`choices`). Needs CUDA. The figures: `lab/pages/kernel-choices-and-tiles.md`.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from unittest import mock
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]       # minirt from this tree; harness, ab
 from ab import interleaved_variants, new_llm, report_tpot  # noqa: E402
-from minirt.bench import cuda_script_args  # noqa: E402
+from harness import cuda_script_args  # noqa: E402
 from minirt.kernels import gemv_triton, paged_attention_triton  # noqa: E402
 
 DOWN_PROJ, O_PROJ = (1024, 3072), (1024, 2048)      # Qwen3-0.6B's weights [out, in]
@@ -60,7 +61,7 @@ def _splits(max_splits: int, tile: tuple[int, int, int] | None = None):
 G = gemv_triton.GemvConfig
 VARIANTS = {      # name -> () -> a context manager the variant is built and run in
     "default": contextlib.nullcontext,
-    "one-row 4096": lambda: _constants(gemv_triton, MAX_BLOCK_K=4096),     # before session 11
+    "one-row 4096": lambda: _constants(gemv_triton, MAX_BLOCK_K=4096),     # the one-row GEMV tile before 2,048 columns
     "down 2x2048 w8": lambda: _tiles({DOWN_PROJ: G(2, 2048, 1, 8)}),
     "down 1x2048 w4": lambda: _tiles({DOWN_PROJ: G(1, 2048, 1, 4)}),
     "o+down 2x2048 w8": lambda: _tiles({DOWN_PROJ: G(2, 2048, 1, 8), O_PROJ: G(2, 2048, 1, 8)}),
@@ -95,7 +96,8 @@ def variant_names(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 6}),
-                            (("--variants",), {"default": ",".join(VARIANTS)}), (("--label",), {"default": ""}))
+                            (("--variants",), {"default": ",".join(VARIANTS)}), (("--label",), {"default": ""}),
+                            out_dir=str(REPO / "lab" / "results" / "kernel-choices-and-tiles"))
     if args is None:
         return 2
     try:
