@@ -289,3 +289,16 @@ def test_interleaved_tpot_runs_each_variant_inside_its_context(monkeypatch):
     assert tpot == {"a": [0.001] * 2, "b": [0.001] * 2}
     assert runs == [("a", None, 16), ("b", "b", 16), ("a", None, 256), ("b", "b", 256), ("b", "b", 256),
                     ("a", None, 256)]
+
+
+def test_readme_switches_table_is_generated_from_rules():
+    """benchmarks/README.md's switches table equals what benchmarks/switches_table.py writes from `RULES` (one row
+    per rule, in order), so a rule added, renamed or re-ordered fails here until the table is regenerated."""
+    from minirt.fast.plan import RULES
+
+    table = _benchmark_module("switches_table")
+    readme = table.in_readme(table.README.read_text())
+    assert readme == table.table(), "run: python benchmarks/switches_table.py --write"
+    rows = readme.splitlines()[2:]
+    assert [row.split("|")[1].strip(" `") for row in rows] == [rule.name for rule in RULES]
+    assert table.main(["--check"]) == 0
