@@ -254,7 +254,7 @@ def summarize_calls(calls: list[dict], wall: float) -> dict:
 
 def windows_for(calls: list[dict]) -> dict:
     """Profiler windows for a run like the one `calls` records: its 3rd-5th steps with prefill chunks, one each,
-    the first engine step of bursts (which took about twice as long as the next ones in issue 23's session 3), and
+    the first engine step of bursts (which took about twice as long as the next ones in the 2026-12-01 profiles), and
     three engine steps of bursts at the full batch from the middle one on."""
     prefill = [i for i, c in enumerate(calls) if c["kind"] == "prefill"][2:5]
     bursts = [i for i, c in enumerate(calls) if c["kind"] == "burst"
