@@ -25,7 +25,8 @@ import tempfile
 import torch
 
 import minirt
-from minirt.bench import build_random_qwen3, make_prompts, parse_engine_settings, report_header, run_minirt, write_report
+from minirt.bench import build_random_qwen3, make_prompts, report_header, run_minirt, write_report
+from harness import parse_engine_settings
 from minirt.metrics import format_table
 
 DEFAULT_CONFIGS = ["neither:kv_write_in_rotary=off,combine_in_attention=off",

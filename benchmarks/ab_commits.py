@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         if not os.path.isdir(os.path.join(path, "minirt")):
             print(f"error: --tree {name}: {path!r} has no minirt/ folder", file=sys.stderr)
             return 2
-    from minirt.bench import parse_engine_settings
+    from harness import parse_engine_settings
 
     settings = {}
     try:

@@ -15,13 +15,13 @@ tokens). The tokens of a variant are garbage: only its time means anything. The 
 * `rotary+combine`: what one kernel for the rotation, the K/V write, attention and the combine could save at most;
 * `rotary+attention`: the step's GEMVs, the LM head and its per-step kernels (embedding, cos and sin, the final norm,
   the sampler, the burst's input advance) alone;
-* `o_proj`, `down_proj` (session 13): that GEMV left out, its input's first columns (a view, no kernel) taken for its
+* `o_proj`, `down_proj`: that GEMV left out, its input's first columns (a view, no kernel) taken for its
   output; what one kernel boundary fewer between attention and the MLP, or inside the MLP, could save at most (the
   GEMV before it still asks the L2 cache for its weights; the one left out no longer asks for the next one's).
 
 Prints each variant's TPOT median, its ratio to the first variant's (`default` unless --variants names another
 first), and the time saved per layer against it (28 layers), and
-writes `batch1-ablation-cuda-<date>.json`. Needs CUDA. (Issue 23, session 9.)
+writes `batch1-ablation-cuda-<date>.json`. Needs CUDA. The figures: `lab/pages/batch1-ablation.md`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from ab import interleaved_variants, new_llm  # noqa: E402
-from minirt.bench import cuda_script_args, report_header, write_report  # noqa: E402
+from minirt.bench import report_header, write_report  # noqa: E402
+from harness import cuda_script_args  # noqa: E402
 from minirt.fast.layers import GemvLinear  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 

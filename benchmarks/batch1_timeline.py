@@ -11,7 +11,7 @@ against the step's first kernel, its duration and the gap since the kernel befor
 programmatic dependent launch overlaps them), and sums each kernel name's time per step; and for each kernel of a
 layer, how much later it ends than the one before it, the median over the inner layers. With PDL the kernels
 overlap, so durations do not add up to the step: `batch1_ablation.py` times what a kernel costs on the step's path.
-Writes `batch1-timeline-cuda-<date>.json`. Needs CUDA. (Issue 23, session 10.)
+Writes `batch1-timeline-cuda-<date>.json`. Needs CUDA.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ import torch
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 from ab import new_llm  # noqa: E402
-from minirt.bench import build_random_qwen3, cuda_script_args, make_prompts, report_header, run_minirt, write_report  # noqa: E402,E501
+from minirt.bench import build_random_qwen3, make_prompts, report_header, run_minirt, write_report  # noqa: E402
+from harness import cuda_script_args  # noqa: E402
 
 LAYERS = 28
 

@@ -1,7 +1,7 @@
 """minirt's Triton paged-attention kernel against flash-attn's, over the same paged KV cache (CUDA, bf16).
 
 Qwen3-0.6B's attention layout: 16 query heads, 8 KV heads, head_dim 128, 16-token blocks scattered over a
-shuffled pool (random block tables). Decode: the batch x context shapes of issue 20's table. Prefill: one
+shuffled pool (random block tables). Decode: batches of 1 to 256 sequences at 818 to 4096 tokens of context. Prefill: one
 chunk of 128 to 4096 new tokens, with no cached prefix and after a 2048-token cached prefix. Each kernel is timed
 two ways: `eager`, `triton.testing.do_bench` of one call from Python (launch included, as an eager step pays it
 per layer), and `graph`, the GPU time per call of 20 calls captured in one CUDA graph (no launch cost). Kernels:

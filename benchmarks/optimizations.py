@@ -4,8 +4,9 @@
     python benchmarks/optimizations.py --profile [--new-tokens 64] [--steps ...]
 
 Runs the `python -m minirt bench` workloads (see `minirt/bench.py`) on the same random Qwen3-0.6B-shaped
-checkpoint for each step of `STEPS`, each step adding one switch of `minirt.EngineConfig` to the one
-before. transformers runs only as the correctness guard (4 prompts x 32 greedy tokens each step).
+checkpoint for each step of `STEPS`, derived from `minirt.fast.plan.RULES`: the reference engine first, then each
+switch the engine turns on by default on a Hopper GPU, in the table's order, one per step (each step's resolved plan
+differs from the one before in exactly that switch). transformers runs only as the correctness guard (4 prompts x 32 greedy tokens each step).
 Prints a table of output tokens/s, TPOT p50 and the roofline fraction per step, with each step's speed-up
 over the first, and writes `optimizations-<device>[-quick]-<date>.json` (every figure of every step).
 Chapter 07 plots that file.
@@ -21,6 +22,7 @@ time is launch- or CPU-bound; one where they are close is GPU-bound. Writes `pro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import os
 import sys
@@ -33,48 +35,52 @@ from torch.profiler import ProfilerActivity, profile
 
 import minirt
 from minirt.bench import bench, build_random_qwen3, free_memory, make_prompts, report_header, write_report
+from minirt.config import EngineConfig
+from minirt.fast import Hardware, resolve_plan
+from minirt.fast.plan import RULES, Plan
 from minirt.kernels import pdl_missing
 from minirt.metrics import format_table
 
-#: The settings of the first step: every optimization off.
-_OFF = dict(attention_backend="torch", split_kv=False, enforce_eager=True, fused_ops=False, merge_projections=False,
-            gemv=False, num_scheduler_steps=1, norm_in_gemv=False, rotary_kernel=False, pdl=False,
-            kv_write_in_rotary=False, combine_in_attention=False, prefetch_kv=False, l2_prefetch=False,
-            silu_and_mul_kernel=False, async_scheduling=False, rotary_cache=False, argmax_in_gemv=False)
-#: (label, what the step changes in the settings of the step before it).
-_CHANGES = [
-    ("eager, torch attention", {}),
-    ("+ Triton paged attention", {"attention_backend": "triton"}),
-    ("+ CUDA graphs (decode)", {"enforce_eager": False}),
-    ("+ fused ops (torch.compile)", {"fused_ops": True}),
-    ("+ merged projections", {"merge_projections": True}),
-    ("+ split-KV decode attention", {"split_kv": True}),
-    ("+ Triton GEMV (batch 1)", {"gemv": True}),
-    ("+ multi-step decode (8 steps)", {"num_scheduler_steps": 8}),
-    ("+ norms in the GEMV prologue", {"norm_in_gemv": True}),
-    ("+ one q/k rotary kernel", {"rotary_kernel": True}),
-    ("+ programmatic dependent launch", {"pdl": True}),
-    ("+ K/V write in the rotary kernel", {"kv_write_in_rotary": True}),
-    ("+ K/V prefetch before the PDL wait", {"prefetch_kv": True}),
-    ("+ next GEMV's weights into L2", {"l2_prefetch": True}),
-    ("+ Triton SiLU-and-multiply", {"silu_and_mul_kernel": True}),
-    ("+ async scheduling", {"async_scheduling": True}),
-    ("+ cos and sin from tables", {"rotary_cache": True}),
-    ("+ greedy argmax in the LM head", {"argmax_in_gemv": True}),
-]
+#: How a step names the switch it turns on, by `RULES` row (a row not named here is labelled by its `Rule.what`).
+LABELS = {
+    "attention_backend": "+ Triton paged attention", "split_kv": "+ split-KV decode attention",
+    "cuda_graphs": "+ CUDA graphs (decode)", "fused_ops": "+ fused ops (torch.compile)",
+    "merge_projections": "+ merged projections", "gemv": "+ Triton GEMV (batch 1)",
+    "num_scheduler_steps": "+ multi-step decode (8 steps)", "norm_in_gemv": "+ norms in the GEMV prologue",
+    "rotary_kernel": "+ one q/k rotary kernel", "pdl": "+ programmatic dependent launch",
+    "kv_write_in_rotary": "+ K/V write in the rotary kernel", "prefetch_kv": "+ K/V prefetch before the PDL wait",
+    "l2_prefetch": "+ next GEMV's weights into L2", "overlap_scheduling": "+ overlap scheduling (bursts)",
+    "piecewise_graphs": "+ piecewise CUDA graphs (prefill)", "async_scheduling": "+ async scheduling",
+    "silu_and_mul_kernel": "+ Triton SiLU-and-multiply", "rotary_cache": "+ cos and sin from tables",
+    "argmax_in_gemv": "+ greedy argmax in the LM head",
+}
+#: A switch's `EngineConfig` value for off and for on, where it is not False and True.
+_OFF_VALUE = {"attention_backend": "torch", "enforce_eager": True, "num_scheduler_steps": 1}
+_ON_VALUE = {"attention_backend": "triton", "enforce_eager": False, "num_scheduler_steps": 8}
+#: Switches that need programmatic dependent launch (a Hopper GPU): left out of the steps on an older one.
+NEEDS_PDL = ("pdl", "prefetch_kv", "l2_prefetch")
 
 
-def _cumulative(changes: list[tuple[str, dict]]) -> list[tuple[str, dict]]:
-    """(label, change) pairs -> (label, minirt.LLM settings): each step's change applied on the step before's."""
-    settings, steps = _OFF, []
-    for label, change in changes:
-        settings = {**settings, **change}
-        steps.append((label, settings))
+def build_steps(leave_out: tuple[str, ...] = ()) -> list[tuple[str, dict]]:
+    """(label, minirt.LLM settings) per step, derived from `minirt.fast.plan.RULES`: the first step with every switch
+    off (the reference engine), then, in `RULES` order, each switch the default plan of a CUDA Hopper GPU runs turned
+    on by name, one per step, so that consecutive steps' resolved plans differ in exactly that switch. The last step
+    resolves as the engine's defaults do there. `leave_out`: `Plan` fields kept off (and not a step)."""
+    default = resolve_plan(EngineConfig(), torch.device("cuda"), hardware=Hardware("cuda"))
+    plan_fields = {f.name for f in dataclasses.fields(Plan)}
+    rows = [rule for rule in RULES if rule.name in plan_fields]         # the flash_attn row has no field of its own
+    settings = {rule.config_field(): _OFF_VALUE.get(rule.config_field(), False) for rule in rows}
+    steps = [("reference: every switch off", dict(settings))]
+    for rule in rows:
+        if getattr(default, rule.name) == getattr(Plan(), rule.name) or rule.name in leave_out:
+            continue                                                    # off by default (combine_in_attention)
+        settings[rule.config_field()] = _ON_VALUE.get(rule.config_field(), True)
+        steps.append((LABELS.get(rule.name, "+ " + rule.what), dict(settings)))
     return steps
 
 
-#: (label, minirt.LLM settings): each step adds one optimization to the one before.
-STEPS = _cumulative(_CHANGES)
+#: (label, minirt.LLM settings): each step turns on one more switch of the resolved plan than the one before.
+STEPS = build_steps()
 
 
 def kernels_of(prof) -> tuple[int, float, Counter]:
@@ -155,17 +161,17 @@ def main(argv: list[str] | None = None) -> int:
     if not all(n.isdigit() and int(n) < len(STEPS) for n in numbers):
         print(f"error: --steps: comma-separated step numbers 0-{len(STEPS) - 1}, got {args.steps!r}", file=sys.stderr)
         return 2
-    chosen = [STEPS[int(n)] for n in numbers]
     if not torch.cuda.is_available():
         print("error: this benchmark needs a CUDA device (the optimizations are GPU ones)", file=sys.stderr)
         return 2
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     device = torch.device("cuda")
-    if missing := pdl_missing(device):          # before Hopper: the PDL step cannot run; the others still do
-        skipped = [label for label, kwargs in chosen if kwargs.get("pdl")]
-        chosen = [(label, kwargs) for label, kwargs in chosen if not kwargs.get("pdl")]
-        for label in skipped:
-            print(f"skipping step {label!r}: programmatic dependent launch needs {' and '.join(missing)}")
+    steps = STEPS
+    if missing := pdl_missing(device):          # before Hopper: the PDL steps cannot run; the others still do
+        steps = build_steps(leave_out=NEEDS_PDL)
+        print(f"leaving out {', '.join(NEEDS_PDL)}: programmatic dependent launch needs {' and '.join(missing)}; "
+              f"steps renumbered 0-{len(steps) - 1}")
+    chosen = [steps[int(n)] for n in numbers if int(n) < len(steps)]
     report = report_header(device)
     with tempfile.TemporaryDirectory() as tmp:
         model = build_random_qwen3(tmp, device, seed=0)

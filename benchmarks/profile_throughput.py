@@ -36,19 +36,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import minirt
-from minirt.bench import (
-    SETTINGS_OPTION,
-    WORKLOADS,
-    build_random_qwen3,
-    copy_bandwidth,
-    cuda_script_args,
-    cuda_seconds,
-    make_prompts,
-    report_header,
-    run_minirt,
-    script_settings,
-    write_report,
-)
+from minirt.bench import (WORKLOADS, build_random_qwen3, copy_bandwidth, make_prompts, report_header, run_minirt,
+                          write_report)
+from harness import SETTINGS_OPTION, cuda_script_args, cuda_seconds, script_settings
 
 CATEGORIES = [  # (category, substrings of kernel names), first match wins
     ("attention", ("_paged_attention_kernel", "_combine_splits")),
@@ -264,7 +254,7 @@ def summarize_calls(calls: list[dict], wall: float) -> dict:
 
 def windows_for(calls: list[dict]) -> dict:
     """Profiler windows for a run like the one `calls` records: its 3rd-5th steps with prefill chunks, one each,
-    the first engine step of bursts (which took about twice as long as the next ones in issue 23's session 3), and
+    the first engine step of bursts (which took about twice as long as the next ones in the 2026-12-01 profiles), and
     three engine steps of bursts at the full batch from the middle one on."""
     prefill = [i for i, c in enumerate(calls) if c["kind"] == "prefill"][2:5]
     bursts = [i for i, c in enumerate(calls) if c["kind"] == "burst"

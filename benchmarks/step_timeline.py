@@ -11,8 +11,8 @@ the host's clock through one event recorded at a known host time. Seconds from t
 
 Prints, for the steps with prefill chunks, the median host time of each wrapped call and when the last of them
 ended; writes `step-timeline-cuda-<date>[-TAG].json` (`host`: [name, start, end]; `gpu`: [what, start, end or
-null, tokens]). Session 6 of issue 23 found with it that `sample` took the host until the end of the step's forward
-(benchmarks/README.md).
+null, tokens]). It showed that `sample` took the host until the end of the step's forward
+(`lab/pages/async-scheduling.md`).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import time
 import torch
 
 import minirt
-from minirt.bench import (SETTINGS_OPTION, WORKLOADS, build_random_qwen3, cuda_script_args, make_prompts,
-                          report_header, script_settings, write_report)
+from minirt.bench import WORKLOADS, build_random_qwen3, make_prompts, report_header, write_report
+from harness import SETTINGS_OPTION, cuda_script_args, script_settings
 
 WRAPPED = (("scheduler", "schedule"), ("engine", "postprocess"), ("runner", "prepare_lists"), ("runner", "forward"),
            ("runner", "sample"), ("runner", "finish_step"), ("runner", "finish_decode_steps"), ("runner", "execute"),

@@ -87,57 +87,24 @@ def test_tables_print(bench_run):
                for line in stdout.splitlines())
 
 
-def _benchmark_module(name: str = "optimizations"):
+def _benchmark_module(name: str):
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))           # as `python benchmarks/X.py` has it: `from harness import ...`
+    spec = importlib.util.spec_from_file_location(name, folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_optimization_steps_add_one_switch_each():
-    """benchmarks/optimizations.py (chapter 07's figures): every step turns on exactly one more switch, all
-    are valid engine settings, and the last step is what the engine does on CUDA by default (on a Hopper GPU,
-    where PDL can run)."""
-    import torch
-
-    from minirt.config import EngineConfig
-    from minirt.fast import Hardware, resolve_plan
-
-    steps = _benchmark_module().STEPS
-    for (_, before), (label, after) in zip(steps, steps[1:]):
-        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
-        assert len(changed) == 1, f"{label}: changes {sorted(changed)}"
-    cuda, hopper = torch.device("cuda"), Hardware("cuda")
-    plans = [resolve_plan(EngineConfig(**kwargs), cuda, hardware=hopper) for _, kwargs in steps]  # none refused
-    assert len(set(plans)) == len(plans)                        # each step changes what runs
-    assert plans[-1] == resolve_plan(EngineConfig(), cuda, hardware=hopper)
-
-
-def test_optimizations_script_needs_cuda():
-    if __import__("torch").cuda.is_available():
-        pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
-    assert _benchmark_module().main(["--quick"]) == 2
-
-
-@pytest.mark.parametrize("steps", ["99", "-1", "1,x"])
-def test_optimizations_script_names_a_bad_step(steps, capsys):
-    """Checked before anything else (CUDA included), with the valid range in the message."""
-    module = _benchmark_module()
-    assert module.main(["--steps", steps]) == 2
-    assert f"error: --steps: comma-separated step numbers 0-{len(module.STEPS) - 1}, got {steps!r}" in \
-        capsys.readouterr().err
-
-
 def test_ab_benchmark_parses_settings_and_refuses_bad_ones(capsys):
     """benchmarks/ab.py: each --config is NAME:field=value,...; a malformed one, a bad value or a field the engine
     does not know exits 2 with the text named, before any model is built (and, on the CPU, it needs CUDA)."""
-    from minirt.bench import parse_engine_settings
-
     ab = _benchmark_module("ab")
+    from harness import parse_engine_settings
     assert parse_engine_settings("x:kv_write_in_rotary=on,num_scheduler_steps=4,pdl=auto") == (
         "x", {"kv_write_in_rotary": True, "num_scheduler_steps": 4, "pdl": None})
     for name, kwargs in map(parse_engine_settings, ab.DEFAULT_CONFIGS):
@@ -153,22 +120,6 @@ def test_ab_benchmark_parses_settings_and_refuses_bad_ones(capsys):
         capsys.readouterr().err
     if not __import__("torch").cuda.is_available():
         assert ab.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
-
-
-def test_l2_prefetch_benchmark_refuses_bad_arguments(capsys):
-    l2 = _benchmark_module("l2_prefetch")
-    assert l2.main(["--rounds", "0"]) == 2 and "--rounds: must be >= 1, got 0" in capsys.readouterr().err
-    assert list(l2.SCHEMES.values())[:2] == [None, (1, 1)]       # the baseline first, then the engine's default
-    if not __import__("torch").cuda.is_available():
-        assert l2.main([]) == 2 and "needs a CUDA device" in capsys.readouterr().err
-
-
-def test_gemv_benchmark_needs_cuda(monkeypatch, capsys):
-    if __import__("torch").cuda.is_available():
-        pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
-    monkeypatch.setattr("sys.argv", ["gemv.py", "--quick"])
-    assert _benchmark_module("gemv").main() == 2
-    assert "needs a CUDA device" in capsys.readouterr().err
 
 
 def test_launch_floor_benchmark_refuses_bad_arguments_and_needs_cuda(capsys):
@@ -238,14 +189,10 @@ def test_bad_bench_arguments_exit_2_with_a_message(argv, words):
     assert proc.returncode == 2 and words in proc.stderr, (proc.returncode, proc.stderr[-1000:])
 
 
-@pytest.mark.parametrize("script", ["profile_throughput", "overlap_probe", "persistent_attention_probe",
-                                    "decode_gemms", "step_timeline", "batch1_ablation", "sync_floor", "split_tile",
-                                    "kernel_choices", "decode_attention", "combine_o_proj_probe"])
+@pytest.mark.parametrize("script", ["profile_throughput", "step_timeline", "batch1_ablation", "batch1_timeline"])
 def test_cuda_only_scripts_exit_2_without_cuda(script):
     if __import__("torch").cuda.is_available():
         pytest.skip("the script runs for real on CUDA: exercised by the GPU runs, not here")
-    if script not in ("profile_throughput", "step_timeline", "batch1_ablation", "sync_floor", "split_tile"):
-        pytest.importorskip("triton")                     # the Triton kernels they define, at import
     assert _benchmark_module(script).main([]) == 2
 
 
@@ -285,7 +232,7 @@ def test_profile_throughput_windows_pick_prefill_steps_the_first_and_full_bursts
 
 
 def test_interleaved_variants_builds_each_on_one_checkpoint_then_times_them_all(monkeypatch):
-    """benchmarks/ab.py's `interleaved_variants` (ab.py, l2_prefetch.py and batch1_ablation.py build their engines
+    """benchmarks/ab.py's `interleaved_variants` (ab.py, batch1_ablation.py and lab probes build their engines
     with it): one checkpoint, every variant built from its path before any is timed, and the timing over all of
     them, with the checkpoint's folder still there while they run."""
     ab = _benchmark_module("ab")
@@ -317,7 +264,7 @@ def test_interleaved_variants_builds_each_on_one_checkpoint_then_times_them_all(
 
 def test_interleaved_tpot_runs_each_variant_inside_its_context(monkeypatch):
     """`interleaved_tpot`: a variant's warm-up and every timed run happen inside `around[name]()` (the patched kernel
-    choices of kernel_choices.py, which eager steps read too); the other variants' runs outside it."""
+    choices of lab/probes/kernel_choices.py, which eager steps read too); the other variants' runs outside it."""
     ab = _benchmark_module("ab")
     state = {"inside": None}
     runs = []
@@ -344,42 +291,14 @@ def test_interleaved_tpot_runs_each_variant_inside_its_context(monkeypatch):
                     ("a", None, 256)]
 
 
-def test_kernel_choices_variants_patch_what_they_name_and_restore_it():
-    """benchmarks/kernel_choices.py: a tile variant changes `choose_config` for its weight shapes only, a constant
-    variant sets its module's constants, and both leave the modules as they were after the block."""
-    pytest.importorskip("triton")
-    kernel_choices = _benchmark_module("kernel_choices")
-    from minirt.kernels import gemv_triton, paged_attention_triton
+def test_readme_switches_table_is_generated_from_rules():
+    """benchmarks/README.md's switches table equals what benchmarks/switches_table.py writes from `RULES` (one row
+    per rule, in order), so a rule added, renamed or re-ordered fails here until the table is regenerated."""
+    from minirt.fast.plan import RULES
 
-    shapes = {"down": (1024, 3072), "o_proj": (1024, 2048), "qkv": (4096, 1024)}
-    before = {name: gemv_triton.choose_config(*shape, 132) for name, shape in shapes.items()}
-    with kernel_choices.VARIANTS["down 2x2048 w8"]():
-        assert gemv_triton.choose_config(*shapes["down"], 132) == gemv_triton.GemvConfig(2, 2048, 1, 8)
-        assert gemv_triton.choose_config(*shapes["o_proj"], 132) == before["o_proj"]
-        assert gemv_triton.choose_config(*shapes["qkv"], 132) == before["qkv"]
-    with kernel_choices.VARIANTS["o+down 2x2048 w8"]():
-        assert gemv_triton.choose_config(*shapes["o_proj"], 132) == gemv_triton.GemvConfig(2, 2048, 1, 8)
-    assert {name: gemv_triton.choose_config(*shape, 132) for name, shape in shapes.items()} == before
-    splits, tile = paged_attention_triton.MAX_SPLITS, paged_attention_triton.SPLIT_TILE
-    with kernel_choices.VARIANTS["splits 32 keys 32"]():
-        assert (paged_attention_triton.MAX_SPLITS, paged_attention_triton.SPLIT_TILE) == (32, (32, 4, 2))
-    with kernel_choices.VARIANTS["one-row 4096"]():
-        assert gemv_triton.choose_config(*shapes["down"], 132).block_k == 4096
-    assert (paged_attention_triton.MAX_SPLITS, paged_attention_triton.SPLIT_TILE) == (splits, tile)
-    assert gemv_triton.choose_config(*shapes["down"], 132) == before["down"]
-    with kernel_choices.VARIANTS["splits 8 keys 128"]():                    # what the report records per variant
-        got = kernel_choices.choices(132)
-    assert (got["MAX_SPLITS"], got["SPLIT_TILE"], got["down_proj"]) == (8, [128, 8, 2], list(before["down"]))
-    with pytest.raises(AttributeError), kernel_choices._constants(paged_attention_triton, MAX_SPLITS=4, NO_SUCH=1):
-        pass
-    assert paged_attention_triton.MAX_SPLITS == splits                        # the first patch undone too
-
-
-def test_kernel_choices_variant_names_are_known_and_given_once():
-    pytest.importorskip("triton")
-    variant_names = _benchmark_module("kernel_choices").variant_names
-    assert variant_names("default,splits 8") == ["default", "splits 8"]
-    with pytest.raises(ValueError, match=r"^--variants: each name once, got \['default', 'default'\]"):
-        variant_names("default,default")
-    with pytest.raises(ValueError, match=r"^--variants: unknown \[' 128 keys'\]"):
-        variant_names("splits 8, 128 keys")
+    table = _benchmark_module("switches_table")
+    readme = table.in_readme(table.README.read_text())
+    assert readme == table.table(), "run: python benchmarks/switches_table.py --write"
+    rows = readme.splitlines()[2:]
+    assert [row.split("|")[1].strip(" `") for row in rows] == [rule.name for rule in RULES]
+    assert table.main(["--check"]) == 0
