@@ -1,10 +1,10 @@
 """The floor under the GEMV chain's dependencies: one flagged word between two SMs, and every block's words to every
-block, idle and under a memory stream (`sync_floor.cu`; issue 23, session 9).
+block, idle and under a memory stream (`sync_floor.cu`; lab/pages/sync-floor.md).
 
-    python benchmarks/sync_floor.py [--rounds 2000] [--out benchmarks/results]
+    python lab/probes/sync_floor.py [--rounds 2000] [--out lab/results/sync-floor]
 
-The persistent GEMV chain (`minirt.kernels.gemv_chain_cuda`) pays 2.4-2.7 us per product for the wait on the product
-before (benchmarks/README.md, session 8), four times a layer, against 7.5 us a layer for the weights at the copy
+The persistent GEMV chain (`lab.kernels.gemv_chain_cuda`) pays 2.4-2.7 us per product for the wait on the product
+before (lab/pages/gemv-chain.md), four times a layer, against 7.5 us a layer for the weights at the copy
 bandwidth. This asks what the wait costs with nothing else in it: one block per SM; `ping-pong` passes a word from
 block 0 to the last block and back (a round trip per round), `all-gather` has every block write one 128-byte line of
 words and then wait, with 256 threads polling 16-byte loads, for every block's line (one product's dependency per
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # the repository root: minirt and lab
 from minirt.bench import cuda_script_args, report_header, write_report  # noqa: E402
 from minirt.kernels import num_sms  # noqa: E402
-from minirt.kernels.nvcc_build import build_library  # noqa: E402
+from lab.kernels.nvcc_build import build_library  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 SOURCE = Path(__file__).with_name("sync_floor.cu")
