@@ -1,5 +1,7 @@
-"""pyproject.toml and environment.yml list the same packages; package data ships."""
+"""pyproject.toml and environment.yml list the same packages; package data ships; the wheel holds the package only
+(no lab, no CUDA sources); minirt/kernels/ holds only kernels the plan machinery imports."""
 
+import ast
 import re
 from pathlib import Path
 
@@ -104,9 +106,10 @@ def test_ci_script_runs_readme_test_command():
     assert ci.index("torch==2.13.0") < ci.index('pip install -e ".[dev,notebooks]"')
 
 
-def test_wheel_ships_package_data(tmp_path):
-    """Build a wheel from a copy of the tree: every file of minirt/default_model/, minirt/*.json and the CUDA
-    sources (minirt/kernels/*.cu) ships."""
+@pytest.fixture(scope="module")
+def wheel_names(tmp_path_factory) -> set[str]:
+    """The file names in a wheel built from a copy of the tree: the package, and lab/ beside it (so that the wheel
+    shows what `packages.find` leaves out)."""
     import shutil
     import subprocess
     import sys
@@ -117,11 +120,13 @@ def test_wheel_ships_package_data(tmp_path):
         offline = tuple(int(x) for x in setuptools.__version__.split(".")[:2]) >= (70, 1)
     except ImportError:
         offline = False
+    tmp_path = tmp_path_factory.mktemp("wheel")
     src = tmp_path / "src"
     src.mkdir()
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
-    shutil.copytree(ROOT / "minirt", src / "minirt", ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    for folder in ("minirt", "lab"):
+        shutil.copytree(ROOT / folder, src / folder, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path / "dist"), str(src)]
     if offline:
         cmd.insert(5, "--no-build-isolation")
@@ -131,11 +136,77 @@ def test_wheel_ships_package_data(tmp_path):
         pytest.skip("no network for an isolated wheel build, and setuptools here is too old to build offline")
     assert proc.returncode == 0, proc.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("minirt-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
+    return set(zipfile.ZipFile(wheel).namelist())
+
+
+def test_wheel_ships_package_data(wheel_names):
+    """Every file of minirt/default_model/, minirt/*.json and the package's modules ships."""
     pkg = ROOT / "minirt"
     want = {f"minirt/{p.relative_to(pkg).as_posix()}" for p in pkg.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")
-            and (p.suffix in (".py", ".json", ".cu") or "default_model" in p.parts)}
-    missing = sorted(want - names)
+            and (p.suffix in (".py", ".json") or "default_model" in p.parts)}
+    missing = sorted(want - wheel_names)
     assert not missing, f"not in the wheel: {missing[:10]}"
-    assert any(n.endswith("entry_points.txt") for n in names)
+    assert any(n.endswith("entry_points.txt") for n in wheel_names)
+
+
+def test_wheel_holds_no_lab_and_no_cuda_sources(wheel_names):
+    """The wheel is the package: no `lab` package (its probe kernels, probes, tests) and no `.cu` file, anywhere;
+    the lab is there in the tree it was built from, so leaving it out is the build's doing."""
+    assert (ROOT / "lab" / "kernels" / "__init__.py").is_file()
+    top = {name.split("/", 1)[0] for name in wheel_names}
+    assert top == {"minirt"} | {t for t in top if t.endswith(".dist-info")}, sorted(top)
+    assert not [n for n in wheel_names if n.endswith(".cu")]
+    data = _pyproject()["tool"]["setuptools"]["package-data"]["minirt"]
+    assert not [pattern for pattern in data if pattern.endswith(".cu") or "kernels" in pattern]
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """The modules a file imports, by name: `import a.b` and `from a.b import c` give a.b, and a.b.c as well (c may be a
+    module of the package a.b)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+    return names
+
+
+def live_kernel_modules(kernels: Path, fast: Path) -> tuple[set[str], set[str]]:
+    """(every module of `kernels`, those imported from the plan machinery): a kernel module is live when a module of
+    `fast` (minirt/fast/, where the plan picks the kernels) or a live kernel module imports it."""
+    modules = {f"minirt.kernels.{p.stem}" for p in kernels.glob("*.py") if p.stem != "__init__"}
+    imported = set().union(*(_imported_modules(p) for p in fast.rglob("*.py")))
+    live = modules & imported
+    while True:
+        more = modules & set().union(set(), *(_imported_modules(kernels / f"{m.rsplit('.', 1)[1]}.py") for m in live))
+        if more <= live:
+            return modules, live
+        live |= more
+
+
+def test_every_kernel_module_is_one_a_plan_can_select():
+    """minirt/kernels/ holds only what the plan machinery runs: every module there is imported from minirt/fast/ or
+    by a kernel module that is, and nothing but Python modules (the probe kernels and their CUDA sources live in
+    lab/kernels/). The oracle is the source's own imports (ast), not a list kept by hand."""
+    kernels, fast = ROOT / "minirt" / "kernels", ROOT / "minirt" / "fast"
+    modules, live = live_kernel_modules(kernels, fast)
+    assert {"minirt.kernels.gemv_triton", "minirt.kernels.paged_attention_triton"} <= live    # the check sees imports
+    assert sorted(modules - live) == [], "kernel modules no plan can select (move them to lab/kernels/)"
+    others = sorted(p.name for p in kernels.iterdir() if p.is_file() and p.suffix != ".py")
+    assert others == [], "files in minirt/kernels/ that are not kernel modules"
+
+
+def test_the_kernel_check_finds_a_module_nothing_imports(tmp_path):
+    """`live_kernel_modules` on a copy of the tree with one more kernel module that nothing imports, and one imported
+    only by it: both are reported, so the check above can fail."""
+    import shutil
+
+    kernels, fast = tmp_path / "kernels", tmp_path / "fast"
+    shutil.copytree(ROOT / "minirt" / "kernels", kernels, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "minirt" / "fast", fast, ignore=shutil.ignore_patterns("__pycache__"))
+    (kernels / "probe_triton.py").write_text("from minirt.kernels.probe_helper import x\n")
+    (kernels / "probe_helper.py").write_text("x = 1\n")
+    modules, live = live_kernel_modules(kernels, fast)
+    assert modules - live == {"minirt.kernels.probe_triton", "minirt.kernels.probe_helper"}

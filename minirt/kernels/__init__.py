@@ -1,5 +1,6 @@
 """GPU kernels (optional): used on CUDA when Triton is importable; the torch code in `minirt.attention`
-stays the reference they are tested against."""
+stays the reference they are tested against. Every module here is one a `minirt.fast` plan can select
+(tests/test_packaging.py checks it); probe kernels measured and kept out of the engine live in lab/kernels/."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import importlib
 import importlib.util
 
 import torch
-
 
 
 def triton_missing(device: torch.device, head_dim: int | None = None) -> list[str]:

@@ -28,9 +28,9 @@ import triton.language as tl
 
 from minirt.kernels import num_sms
 
-# Defaults read by `choose_config` (powers of two; measured in benchmarks/README.md): ROWS x COLS tiles for the wide
-# matrices (q/k/v, gate/up, the LM head), one row per program for the 1024-row ones (o_proj, down_proj), so
-# that more programs than SMs run.
+# Defaults read by `choose_config` (powers of two; swept by lab/probes/gemv.py, checked in the engine by
+# benchmarks/kernel_choices.py): ROWS x COLS tiles for the wide matrices (q/k/v, gate/up, the LM head), one row per
+# program for the 1024-row ones (o_proj, down_proj), so that more programs than SMs run.
 ROWS, COLS = 8, 512     # a program's tile per loop step when there are enough rows: 8 KB of bf16
 MAX_BLOCK_K = 2048      # one-row programs read up to this much of their row per step
 PROGRAMS_PER_SM = 2     # fewer programs leave multiprocessors idle or too few bytes in flight to hide latency
@@ -69,13 +69,13 @@ def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefet
             _prefetch_l2(tl.load(Prefetch + 2 * chunk), tl.load(Prefetch + 2 * chunk + 1).to(tl.int32))
     if ARGMAX:          # the rows' logits are never stored: only the best of them, into Key
         rows, row_ok, y, _ = _gemv_sums(tl.program_id(0), split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
-                                        BLOCK_N, BLOCK_K, 1, False, NORM, HAS_RESIDUAL, PDL, "")
+                                        BLOCK_N, BLOCK_K, 1, False, NORM, HAS_RESIDUAL, PDL)
         if HAS_BIAS:
             y += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)
         _argmax_into(Key, y.to(Out.dtype.element_ty).to(tl.float32), rows, row_ok)
     else:
         _gemv_rows(tl.program_id(0), split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
-                   HAS_BIAS, BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL, "")
+                   HAS_BIAS, BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL)
 
 
 @triton.jit
@@ -112,14 +112,10 @@ def _argmax_finish_kernel(Key, Token, PDL: tl.constexpr):
 @triton.jit
 def _gemv_rows(tile, split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-               SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-               X_CACHE: tl.constexpr):
-    """Output rows `tile * BLOCK_N ...` (split `split` of SPLIT_K): `_gemv_kernel`'s work for one program, also
-    called by the persistent `minirt.kernels.gemv_chain_triton` kernel for each tile it takes. X_CACHE: the cache
-    modifier of the loads of x and the residual ("" or ".cg", which reads through L2: data another program of the
-    same launch wrote)."""
+               SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+    """Output rows `tile * BLOCK_N ...` (split `split` of SPLIT_K): `_gemv_kernel`'s work for one program."""
     rows, row_ok, y, up = _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps, BLOCK_N, BLOCK_K,
-                                     SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL, X_CACHE)
+                                     SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL)
     if SPLIT_K == 1:
         _store_rows(y, up, rows, row_ok, Bias, Out, N, HAS_BIAS, SILU_AND_MUL)
     else:
@@ -129,7 +125,7 @@ def _gemv_rows(tile, split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, str
 @triton.jit
 def _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU_AND_MUL: tl.constexpr,
-               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, X_CACHE: tl.constexpr):
+               NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """`_gemv_rows`' sums: (rows, rows < N, the rows' float32 dot products with the norm's scale applied, the up rows'
     (SILU_AND_MUL; else the first again)); split `split`'s share of them when SPLIT_K > 1."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -153,9 +149,9 @@ def _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
             g = tl.load(NormW + k + cols, mask=k_ok, other=0.0)      # a weight too: no kernel writes it
         if PDL:
             tl.extra.cuda.gdc_wait()                      # x and the residual are the kernel before's output
-        x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0, cache_modifier=X_CACHE)
+        x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0)
         if HAS_RESIDUAL:
-            r = tl.load(Res + k + cols, mask=k_ok, other=0.0, cache_modifier=X_CACHE)
+            r = tl.load(Res + k + cols, mask=k_ok, other=0.0)
         if HAS_RESIDUAL:
             # The residual addition, rounded to the stream's dtype as in `add_rms_norm`; one program keeps it.
             x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)

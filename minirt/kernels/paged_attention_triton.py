@@ -263,7 +263,7 @@ ROWS_ALL, ROWS_ONE_TOKEN, ROWS_CHUNKS = 0, 1, 2
 # Tiles by kind of launch: (BLOCK_N keys, num_warps, num_stages), and for prefill chunks BLOCK_M query rows too.
 # A decode tile holds one token's query group: rows are cheap, the keys streamed per iteration are what counts.
 # A chunk tile holds CHUNK_BLOCK_M rows, so that each K/V tile it loads serves many query rows. The sweeps behind
-# these choices: benchmarks/README.md, "The throughput workload against its ceiling".
+# these choices: benchmarks/prefill_kernels.py (chunk tiles) and benchmarks/split_tile.py (the split-KV tile).
 DECODE_TILE = (128, 4, 2)          # one program per (sequence, KV head)
 SPLIT_TILE = (64, 8, 2)            # split-KV launches: their shares and the K/V prefetch are sized by 64 keys
 CHUNK_BLOCK_M, CHUNK_TILE = 128, (32, 4, 2)
@@ -291,7 +291,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            meta: PagedAttentionMetadata, num_splits: int | None = None, pdl: bool = False,
                            split_counters: torch.Tensor | None = None, prefetch_kv: bool = True,
                            chunk_tile: tuple[int, int, int] | None = None,
-                           chunk_block_m: int | None = None, partials: bool = False):
+                           chunk_block_m: int | None = None):
     """q `[num_tokens, H, D]`, k/v cache `[num_blocks, block_size, Hkv, D]` -> `[num_tokens, H, D]`.
 
     One launch for a decode batch; a step whose chunks have `CHUNK_MIN_TOKENS` new tokens or more (and no split-KV)
@@ -324,12 +324,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     leaves it zeroed again, so one buffer serves every launch on a stream, CUDA graph replays included. Raises
     ValueError naming split_counters if it is too small or not int32 on q's device.
     chunk_tile, chunk_block_m: the chunk launch's (BLOCK_N, num_warps, num_stages) and query rows per tile, in place
-    of `CHUNK_TILE` and `CHUNK_BLOCK_M` (None; rows a power of two), so that a benchmark can compare tilings in
-    one process.
-    partials: with split-KV (and split_counters None), return the splits' partial results `(acc [num_tokens, H,
-    num_splits, D], m [num_tokens, H, num_splits], l [...])` (running max and sum of each split's softmax, float32)
-    and launch no combine: a caller combines them (`minirt.kernels.combine_o_proj_triton`). Without split-KV the
-    output as usual.
+    of `CHUNK_TILE` and `CHUNK_BLOCK_M` (None; rows a power of two), so that the sweep behind those constants
+    (`benchmarks/prefill_kernels.py`) compares tilings in one process.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -382,8 +378,6 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         *args, BLOCK_M=block_m, BLOCK_N=block_n, NUM_SPLITS=num_splits, PREFETCH=prefetch_kv and num_splits > 1,
         LAST_COMBINES=last_combines, ROWS=ROWS_ALL, num_warps=warps, num_stages=stages, **common)
     if num_splits > 1 and not last_combines:
-        if partials:
-            return part_acc, part_m, part_l
         _combine_splits_kernel[(num_tokens, num_heads)](out, part_acc, part_m, part_l, out.stride(0), out.stride(1),
                                                         HEAD_DIM=head_dim, NUM_SPLITS=num_splits, PDL=pdl, **launch)
     return out

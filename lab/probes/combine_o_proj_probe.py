@@ -1,16 +1,16 @@
-"""Probe (issue 23, session 13): a batch-1 step with the split-KV combine and o_proj in one kernel, timed against the
-default step.
+"""Probe: a batch-1 step with the split-KV combine and o_proj in one kernel, timed against the default step
+(lab/pages/combine-o-proj.md).
 
-    python benchmarks/combine_o_proj_probe.py [--rounds 6] [--block-n 64 32] [--out benchmarks/results]
+    python lab/probes/combine_o_proj_probe.py [--rounds 6] [--block-n 64 32] [--out lab/results/combine-o-proj]
 
-`minirt.kernels.combine_o_proj_triton` does a one-token step's combine and o_proj in one launch: one kernel boundary
+`lab.kernels.combine_o_proj_triton` does a one-token step's combine and o_proj in one launch: one kernel boundary
 fewer per layer. Before it is a switch of the plan, this times it in the engine: each variant is a `minirt.LLM` with
 the default plan built (and its decode graphs captured) while `FastAttention` is patched to run one-row steps that
-way, the attention kernel returning its splits' partial results (`paged_attention_triton(partials=True)`) and the
+way, the attention kernel returning its splits' partial results (`paged_attention_partials`) and the
 new kernel taking o_proj's weight and its L2 prefetch of gate/up's weights; one variant per row tile (`--block-n`).
 Interleaved rounds as `ab.py`'s; `batch1_ablation.py`'s `o_proj` variant gives what leaving o_proj out saves, the most
-this can (a loose bound: it also drops o_proj's weight reads; session 9's `combine` ablation, 0.79 µs a layer, is the
-tight one). Prints each variant's TPOT median and ratio to the default's and writes
+this can (a loose bound: it also drops o_proj's weight reads; its `combine` ablation, measured at 0.79 µs a layer, is
+the tight one). Prints each variant's TPOT median and ratio to the default's and writes
 `combine-o-proj-probe-cuda-<date>.json`. Needs CUDA.
 """
 
@@ -26,12 +26,14 @@ from unittest import mock
 
 import torch
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]
 from ab import interleaved_variants, new_llm  # noqa: E402
-from minirt.bench import cuda_script_args, make_prompts, report_header, run_minirt, write_report  # noqa: E402
+from harness import cuda_script_args  # noqa: E402
+from minirt.bench import make_prompts, report_header, run_minirt, write_report  # noqa: E402
 from minirt.fast.attention import KernelPagedAttention  # noqa: E402
 from minirt.fast.layers import FastAttention, GemvLinear, one_row  # noqa: E402
-from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for  # noqa: E402
+from lab.kernels.combine_o_proj_triton import combine_o_proj, counters_for, paged_attention_partials  # noqa: E402
 from minirt.kernels.paged_attention_triton import paged_attention_triton  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
@@ -59,7 +61,7 @@ def o_proj_in_combine(block_n: int):
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.qk_norm else (None, None, 0.0)
         k_cache, v_cache = attn.kv_cache[self.layer_idx]
         q = self.rotate_and_store(q, k, v, cos, sin, *norm, k_cache, v_cache, attn.meta.slot_mapping)
-        parts = attn.kernel(q[0], k_cache, v_cache, attn.meta, partials=True)
+        parts = paged_attention_partials(q[0], k_cache, v_cache, attn.meta, **attn.kernel.keywords)
         if not isinstance(parts, tuple):                  # no split-KV: the usual o_proj
             return self.o_proj(parts.reshape(B, T, -1))
         gemv = self.o_proj.gemv
@@ -78,7 +80,8 @@ def o_proj_in_combine(block_n: int):
 
 def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 6}),
-                            (("--block-n",), {"type": int, "nargs": "+", "default": [64, 32]}))
+                            (("--block-n",), {"type": int, "nargs": "+", "default": [64, 32]}),
+                            out_dir=str(REPO / "lab" / "results" / "combine-o-proj"))
     if args is None:
         return 2
     if bad := [n for n in args.block_n if n < 1 or n & (n - 1)]:

@@ -1,10 +1,10 @@
 """The floor under the GEMV chain's dependencies: one flagged word between two SMs, and every block's words to every
-block, idle and under a memory stream (`sync_floor.cu`; issue 23, session 9).
+block, idle and under a memory stream (`sync_floor.cu`; lab/pages/sync-floor.md).
 
-    python benchmarks/sync_floor.py [--rounds 2000] [--out benchmarks/results]
+    python lab/probes/sync_floor.py [--rounds 2000] [--out lab/results/sync-floor]
 
-The persistent GEMV chain (`minirt.kernels.gemv_chain_cuda`) pays 2.4-2.7 us per product for the wait on the product
-before (benchmarks/README.md, session 8), four times a layer, against 7.5 us a layer for the weights at the copy
+The persistent GEMV chain (`lab.kernels.gemv_chain_cuda`) pays 2.4-2.7 us per product for the wait on the product
+before (lab/pages/gemv-chain.md), four times a layer, against 7.5 us a layer for the weights at the copy
 bandwidth. This asks what the wait costs with nothing else in it: one block per SM; `ping-pong` passes a word from
 block 0 to the last block and back (a round trip per round), `all-gather` has every block write one 128-byte line of
 words and then wait, with 256 threads polling 16-byte loads, for every block's line (one product's dependency per
@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from minirt.bench import cuda_script_args, report_header, write_report  # noqa: E402
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO), str(REPO / "benchmarks")]     # the repository root (minirt, lab) and harness
+from harness import cuda_script_args  # noqa: E402
+from minirt.bench import report_header, write_report  # noqa: E402
 from minirt.kernels import num_sms  # noqa: E402
-from minirt.kernels.nvcc_build import build_library  # noqa: E402
+from lab.kernels.nvcc_build import build_library  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
 
 SOURCE = Path(__file__).with_name("sync_floor.cu")
@@ -67,7 +69,8 @@ def run(lib, mode: str, rounds: int, stream: torch.Tensor | None, device: torch.
 
 def main(argv: list[str] | None = None) -> int:
     args = cuda_script_args(__doc__, __file__, argv, (("--rounds",), {"type": int, "default": 2000}),
-                            (("--repeats",), {"type": int, "default": 5}))
+                            (("--repeats",), {"type": int, "default": 5}),
+                            out_dir=str(REPO / "lab" / "results" / "sync-floor"))
     if args is None:
         return 2
     if not 1 <= args.rounds <= 65535 or args.repeats < 1:

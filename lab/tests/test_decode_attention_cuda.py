@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pdl_writer import slow_copy
+from slow_copy import slow_copy
 
 from minirt.attention import PagedAttentionMetadata, paged_attention_reference
 from minirt.fast.ops import norm_rotate_and_store
-from minirt.kernels.decode_attention_cuda import decode_attention_cuda, decode_attention_missing
+from lab.kernels.decode_attention_cuda import decode_attention_cuda, decode_attention_missing
 
 CUDA = torch.device("cuda")
 MISSING = decode_attention_missing(CUDA, torch.bfloat16, 128, 2, 128) if torch.cuda.is_available() else ["CUDA"]
@@ -196,7 +196,7 @@ def test_decode_attention_refuses_what_it_cannot_run():
     ((9, 0), None, ["nvcc (CUDA_HOME or on the PATH) to build the kernel"])])
 def test_what_a_hopper_kernel_built_here_needs(monkeypatch, capability, nvcc, want):
     """`hopper_nvcc_missing` on a CUDA device of each capability, with and without nvcc (faked: any machine)."""
-    from minirt.kernels import nvcc_build
+    from lab.kernels import nvcc_build
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
     monkeypatch.setattr(nvcc_build, "nvcc", lambda: nvcc)

@@ -1,11 +1,11 @@
-"""A one-token step's split-KV combine and its o_proj in one kernel: one kernel boundary fewer per layer. A probe of
-issue 23, not used by the engine: at batch 1 it was slower than the combine kernel and the o_proj GEMV
-(`benchmarks/combine_o_proj_probe.py`; `benchmarks/README.md`, session 13, has the figures).
+"""A one-token step's split-KV combine and its o_proj in one kernel: one kernel boundary fewer per layer. A probe,
+not used by the engine: measured slower at batch 1 than the combine kernel and the o_proj GEMV, 1.125x TPOT with
+64-row tiles, every run (`lab/probes/combine_o_proj_probe.py`; lab/pages/combine-o-proj.md has the figures).
 
 At batch 1 split-KV attention (`minirt.kernels.paged_attention_triton`) leaves each query head's output as
 NUM_SPLITS partial results; a combine kernel turns them into the head's output, and o_proj, a GEMV over all heads'
 outputs, runs after it. A kernel boundary on a batch-1 step's path costs time even with programmatic dependent
-launch (benchmarks/README.md, issue 23, measures it). o_proj is linear, so it can be split by head:
+launch (lab/pages/launch-floor.md measures it). o_proj is linear, so it can be split by head:
 `out = sum_h W[:, h*D:(h+1)*D] @ o_h`. Here program (h, tile) loads its `[BLOCK_N, D]` slice of W before it waits
 for attention, combines head h's splits (the combine kernel's sums, rounded to the model's dtype as that kernel
 stores them), multiplies, and stores `BLOCK_N` float32 partial sums. The last of the heads' programs to finish a
@@ -16,10 +16,13 @@ on every run. Rounding differs from the two kernels only in the order of o_proj'
 
 from __future__ import annotations
 
+from unittest import mock
+
 import torch
 import triton
 import triton.language as tl
 
+from minirt.kernels import paged_attention_triton as attention
 from minirt.kernels.gemv_triton import _prefetch_l2, check_l2_prefetch
 
 BLOCK_N = 64        # o_proj rows per program: 16 row tiles x 16 heads = 256 programs for Qwen3-0.6B's 1024 rows
@@ -69,6 +72,33 @@ def _combine_o_proj_kernel(PartAcc, PartM, PartL, W, Bias, Out, Part, Counters, 
         tl.store(Out + rows, total.to(Out.dtype.element_ty), mask=row_ok)
 
 
+class _KeepPartials:
+    """Stands in for `_combine_splits_kernel` during one `paged_attention_triton` call: launches nothing and keeps the
+    partial results the combine would have read."""
+
+    def __init__(self):
+        self.parts = None
+
+    def __getitem__(self, grid):
+        return self._keep
+
+    def _keep(self, out, part_acc, part_m, part_l, *args, **kwargs):
+        self.parts = (part_acc, part_m, part_l)
+
+
+def paged_attention_partials(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, **options):
+    """`minirt.kernels.paged_attention_triton.paged_attention_triton(q, k_cache, v_cache, meta, **options)` without its
+    combine: with split-KV (and no split_counters), the splits' partial results `(acc [num_tokens, H, num_splits, D],
+    m [num_tokens, H, num_splits], l [...])` (each split's running max and sum of its softmax, float32), for
+    `combine_o_proj` to combine; without split-KV, the output as usual. The engine's attention launch runs unchanged
+    (same tiles, same prefetch); only its combine launch is replaced, for the length of the call, by one that keeps
+    its arguments. Safe inside a CUDA graph capture (the capture records the attention kernel alone)."""
+    keep = _KeepPartials()
+    with mock.patch.object(attention, "_combine_splits_kernel", keep):
+        out = attention.paged_attention_triton(q, k_cache, v_cache, meta, **options)
+    return out if keep.parts is None else keep.parts
+
+
 def counters_for(n: int, device: torch.device, block_n: int = BLOCK_N) -> torch.Tensor:
     """The zeroed int32 buffer `combine_o_proj` counts finished heads in, one per row tile of an `[n, ...]` o_proj
     weight. Allocate it once, before any CUDA graph capture; the kernel keeps it zeroed between launches."""
@@ -81,7 +111,7 @@ def combine_o_proj(part_acc: torch.Tensor, part_m: torch.Tensor, part_l: torch.T
     """o_proj of one token's split-KV attention: `F.linear(combine(parts).to(dtype).flatten(), weight, bias)`.
 
     part_acc `[1, H, S, D]`, part_m and part_l `[1, H, S]`, float32: split-KV's partial results for one token
-    (`paged_attention_triton(..., partials=True)`), S a power of two; weight `[N, H * D]` contiguous, bias `[N]` or
+    (`paged_attention_partials`), S a power of two; weight `[N, H * D]` contiguous, bias `[N]` or
     None, both in `dtype`; counters: `counters_for(N, ...)` (zeroed; left zeroed) -> `[N]` in dtype. The head
     outputs are the combine kernel's, rounded to dtype; o_proj's float32 sums run per head, then over heads in
     head order. pdl and l2_prefetch as in `minirt.kernels.gemv_triton.linear_gemv` (the caller checks that they

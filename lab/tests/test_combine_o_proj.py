@@ -18,7 +18,7 @@ def one_token_case(seed, num_heads, num_kv_heads, head_dim, dtype, out_features,
     """One decode's query, its paged K/V, the splits' partial results (16 splits, or 4 in the interpreter: at 200-256
     keys of context every one of its 64-key shares holds keys), an o_proj weight (and bias) and what the oracle says
     o_proj returns."""
-    from minirt.kernels.paged_attention_triton import paged_attention_triton
+    from lab.kernels.combine_o_proj_triton import paged_attention_partials
 
     device = TRITON_DEVICE
     q, k_cache, v_cache, meta, ks, vs, qs = build_case(seed, 16, num_heads, num_kv_heads, head_dim, dtype, device,
@@ -27,7 +27,7 @@ def one_token_case(seed, num_heads, num_kv_heads, head_dim, dtype, out_features,
     q = qs[0]
     meta.query_start_loc, meta.max_query_len = torch.arange(2, device=device), 1
     meta.slot_mapping = meta.slot_mapping[-1:]
-    parts = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=4 if not CUDA else 16, partials=True)
+    parts = paged_attention_partials(q, k_cache, v_cache, meta, num_splits=4 if not CUDA else 16)
     gen = torch.Generator().manual_seed(seed + 1)
     weight = (torch.randn(out_features, num_heads * head_dim, generator=gen) / head_dim).to(dtype).to(device)
     b = torch.randn(out_features, generator=gen).to(dtype).to(device) if bias else None
@@ -41,7 +41,7 @@ def one_token_case(seed, num_heads, num_kv_heads, head_dim, dtype, out_features,
                          ids=["rows96", "rows100", "rows100-bias"])
 def test_combine_o_proj_matches_the_oracle(dtype, out_features, bias):
     """A row count that is not a multiple of the row tile, with and without a bias; counters zeroed afterwards."""
-    from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for
+    from lab.kernels.combine_o_proj_triton import combine_o_proj, counters_for
 
     if TRITON_DEVICE == "cpu" and dtype != torch.float32:
         pytest.skip("bfloat16 is checked on CUDA")
@@ -59,7 +59,7 @@ def test_head_outputs_are_the_combine_kernels_bit_for_bit():
     sum of two head outputs (the other products add zeros, and two float32 sums of one value each add exactly): the
     kernel's combine gives the combine kernel's bits, rounded to the model's dtype as that kernel stores them
     before o_proj reads them (in bf16 on CUDA, where leaving that rounding out changes rows)."""
-    from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for
+    from lab.kernels.combine_o_proj_triton import combine_o_proj, counters_for
     from minirt.kernels.paged_attention_triton import paged_attention_triton
 
     dtype = torch.bfloat16 if CUDA else torch.float32
@@ -82,7 +82,7 @@ def test_head_outputs_are_the_combine_kernels_bit_for_bit():
 def test_same_as_the_combine_kernel_then_the_gemv_and_the_same_on_every_run(dtype):
     """At Qwen3-0.6B's shapes (16 heads of 128, o_proj 1024 rows): within float32 reassociation of the two kernels'
     result, and the same bits on 20 runs (the last program sums the heads in head order, whoever it is)."""
-    from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for
+    from lab.kernels.combine_o_proj_triton import combine_o_proj, counters_for
     from minirt.kernels.gemv_triton import linear_gemv
     from minirt.kernels.paged_attention_triton import paged_attention_triton
 
@@ -105,10 +105,10 @@ def test_in_a_cuda_graph_with_pdl_behind_a_slow_writer():
     kernel that spins for 1 ms before it writes the splits' partial results, which until then hold values that put
     o_proj far from the answer (checked first, so the test can fail). Every replay gives the bits the kernel gives
     without PDL, within one bf16 step of the combine kernel then `linear_gemv`, and leaves the counters zeroed."""
-    from pdl_writer import slow_copy
+    from slow_copy import slow_copy
 
     from minirt.kernels import pdl_missing
-    from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for
+    from lab.kernels.combine_o_proj_triton import combine_o_proj, counters_for
     from minirt.kernels.gemv_triton import l2_prefetch_table, linear_gemv
     from minirt.kernels.paged_attention_triton import paged_attention_triton
 
@@ -152,7 +152,7 @@ def test_in_a_cuda_graph_with_pdl_behind_a_slow_writer():
 
 
 def test_refuses_what_it_cannot_run():
-    from minirt.kernels.combine_o_proj_triton import combine_o_proj, counters_for
+    from lab.kernels.combine_o_proj_triton import combine_o_proj, counters_for
 
     device = TRITON_DEVICE
     acc, m, l = torch.zeros(1, 4, 2, 32, device=device), torch.zeros(1, 4, 2, device=device), torch.ones(1, 4, 2, device=device)
@@ -183,10 +183,14 @@ def test_refuses_what_it_cannot_run():
 
 
 def test_partials_without_split_kv_are_the_output():
-    """`partials=True` returns the splits' results only where there are splits; one split: the output as usual."""
-    from minirt.kernels.paged_attention_triton import paged_attention_triton
+    """`paged_attention_partials` returns the splits' results only where there are splits; one split: the output as
+    usual. Afterwards the engine's combine is back: the live kernel combines again."""
+    from lab.kernels.combine_o_proj_triton import paged_attention_partials
+    from minirt.kernels import paged_attention_triton as attention
 
+    combine = attention._combine_splits_kernel
     attention_inputs, parts, _, _, _ = one_token_case(3, 4, 2, 32, torch.float32, 8, False)
     assert isinstance(parts, tuple) and parts[0].shape[2] > 1
-    got = paged_attention_triton(*attention_inputs, num_splits=1, partials=True)
-    assert torch.equal(got, paged_attention_triton(*attention_inputs, num_splits=1))
+    assert attention._combine_splits_kernel is combine
+    got = paged_attention_partials(*attention_inputs, num_splits=1)
+    assert torch.equal(got, attention.paged_attention_triton(*attention_inputs, num_splits=1))

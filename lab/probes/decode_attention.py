@@ -2,7 +2,7 @@
 combining the splits) against the Triton path's three kernels (rotation with the K/V write, split-KV attention, the
 combine), between the GEMVs around them.
 
-    python benchmarks/decode_attention.py [--context 640] [--layers 28] [--out benchmarks/results]
+    python lab/probes/decode_attention.py [--context 640] [--layers 28] [--out lab/results/decode-attention-cuda]
 
 Qwen3-0.6B's shapes in bf16 (16 query heads, 8 KV heads, head dim 128, hidden 1024), one sequence of `--context`
 keys. Each variant is captured as one CUDA graph of `--layers` layers, each layer's own weights and K/V cache:
@@ -13,7 +13,8 @@ partial output; 2 the q/k norm and rotation; 3 both; 5 and 7 as 1 and 3, launche
 are wrong, the timing is the point); `-nopdl` launches the CUDA kernel without PDL. The graphs replay in
 interleaved rounds; the table gives µs per layer
 (median over rounds) and the ratio to the Triton path. Also records how many clusters of each size fit at once
-(`cudaOccupancyMaxActiveClusters`). Writes `decode-attention-cuda-<date>.json`. Needs a Hopper GPU and nvcc.
+(`cudaOccupancyMaxActiveClusters`). Writes `decode-attention-cuda-<date>.json` (lab/pages/decode-attention-cuda.md
+reads it). Needs a Hopper GPU and nvcc.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]            # minirt and lab; overlap_probe
 from minirt.bench import report_header, write_report  # noqa: E402
 from overlap_probe import graph  # noqa: E402
 from minirt.metrics import format_table  # noqa: E402
@@ -59,7 +60,7 @@ def layer_inputs(context: int, device, gen):
 def attention_side(variant: str, q, k, v, cos, sin, layer):
     """The variant's attention side for one layer: q/k/v `[1, 1, heads, D]` -> `[1, 1, H, D]`."""
     from minirt.attention import PagedAttentionMetadata
-    from minirt.kernels.decode_attention_cuda import decode_attention_cuda
+    from lab.kernels.decode_attention_cuda import decode_attention_cuda
     from minirt.kernels.paged_attention_triton import paged_attention_triton
     from minirt.kernels.rotary_triton import norm_rotate_and_store_triton
 
@@ -103,9 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--variants", default="triton,cuda-16,cuda-8,cuda-4,cuda-2,cuda-16-skip1,cuda-16-skip2,"
                         "cuda-16-skip3,cuda-16-nopdl")
     parser.add_argument("--label", default="")
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results"))
+    parser.add_argument("--out", default=os.path.join(ROOT, "lab", "results", "decode-attention-cuda"))
     args = parser.parse_args(argv)
-    from minirt.kernels.decode_attention_cuda import decode_attention_missing, library
+    from lab.kernels.decode_attention_cuda import decode_attention_missing, library
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if missing := decode_attention_missing(device, torch.bfloat16, D, H // HKV, D):

@@ -1,16 +1,18 @@
-"""A layer's chain of matrix-vector products in one persistent Triton kernel: the first step toward a batch-1
-"megakernel" (issue 23; not used by the engine yet).
+"""A layer's chain of matrix-vector products in one persistent Triton kernel: a first batch-1 "megakernel" probe, not
+used by the engine (measured 19.8 us per layer against 13.4 for four `linear_gemv` kernels with PDL;
+lab/pages/gemv-chain.md).
 
 At batch 1 a decode step is a chain of GEMVs, and every `linear_gemv` launch pays a ramp and a tail even with PDL:
-a layer's four GEMVs took 13.4 us with PDL for 7.5 us of weight reads (`benchmarks/README.md`). Here one launch runs
+a layer's four GEMVs took 13.4 us with PDL for 7.5 us of weight reads (lab/pages/gemv-chain.md). Here one launch runs
 a layer's four products as *phases*. A grid no larger than what the GPU holds at once (so that no program waits for
-one that cannot start) takes each phase's output tiles by turns, computing each with `_gemv_rows`, the code of
-`linear_gemv`'s programs, with the tiles `linear_gemv` would choose: the results are bit for bit the same. Between
-phases every program waits at a grid-wide barrier (an atomic count in global memory), since a phase reads what the
-others wrote; those reads go through L2 (`.cg`), never a stale L1 line. CUDA's cooperative groups
-(`grid.sync()`) and Hazy Research's Llama-1B megakernel (2025; finer waits, a whole forward per launch) work so.
+one that cannot start) takes each phase's output tiles by turns, computing each with `_chain_rows`, the code of
+`linear_gemv`'s programs (`_gemv_rows`, kept here with X_CACHE for the loads through L2), with the tiles `linear_gemv`
+would choose: the results are bit for bit the same. Between phases every program waits at a grid-wide barrier (an
+atomic count in global memory), since a phase reads what the others wrote; those reads go through L2 (`.cg`), never a
+stale L1 line. CUDA's cooperative groups (`grid.sync()`) and Hazy Research's Llama-1B megakernel (2025; finer waits,
+a whole forward per launch) work so.
 
-The chain is `benchmarks/gemv.py --chain`'s layer, attention left out:
+The chain is `lab/probes/gemv.py --chain`'s layer, attention left out:
 
     qkv, s1 = gemv(x, W_qkv, norm g1, residual s0)      (s0 = None: s1 = x)
     o       = gemv(qkv[:K_o], W_o)
@@ -30,10 +32,86 @@ import triton
 import triton.language as tl
 
 from minirt.kernels import num_sms
-from minirt.kernels.gemv_triton import _gemv_rows, choose_config
+from minirt.kernels.gemv_triton import _store_rows, choose_config
 
 # What one SM holds at once on Hopper: warps, 32-bit registers, thread blocks, shared memory (bytes per block's use)
 MAX_WARPS_PER_SM, REGISTERS_PER_SM, MAX_BLOCKS_PER_SM, SHARED_PER_SM = 64, 65536, 32, 227 * 1024
+
+
+@triton.jit
+def _chain_rows(tile, split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
+                HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+                SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
+                X_CACHE: tl.constexpr):
+    """`minirt.kernels.gemv_triton._gemv_rows` (one program's output rows of `linear_gemv`) with X_CACHE, the cache
+    modifier of the loads of x and the residual: "" as there, or ".cg", which reads through L2 (data another program
+    of the same launch wrote). The engine's kernel never reads what its own launch wrote, so it has no X_CACHE."""
+    rows, row_ok, y, up = _chain_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps, BLOCK_N, BLOCK_K,
+                                      SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL, X_CACHE)
+    if SPLIT_K == 1:
+        _store_rows(y, up, rows, row_ok, Bias, Out, N, HAS_BIAS, SILU_AND_MUL)
+    else:
+        tl.store(Part + split * N + rows, y, mask=row_ok)
+
+
+@triton.jit
+def _chain_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU_AND_MUL: tl.constexpr,
+                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr, X_CACHE: tl.constexpr):
+    """`_chain_rows`' sums (`minirt.kernels.gemv_triton._gemv_sums` with X_CACHE): (rows, rows < N, the rows' float32
+    dot products with the norm's scale applied, the up rows' (SILU_AND_MUL; else the first again)); split `split`'s
+    share of them when SPLIT_K > 1."""
+    rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = W + rows.to(tl.int64)[:, None] * K          # int64: N * K can pass 2**31 (a large vocabulary)
+    up_rows = W + (rows + N).to(tl.int64)[:, None] * K    # SILU_AND_MUL: the up row of each gate row, N rows on
+    cols = tl.arange(0, BLOCK_K)
+    # Elementwise products accumulate per lane; the one cross-thread sum comes after the loop, so no
+    # step waits on a reduction before issuing its next loads.
+    acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)     # SILU_AND_MUL only (unused, removed otherwise)
+    sum_sq = tl.zeros([BLOCK_K], dtype=tl.float32)              # NORM only: the norm's sum of squares, per lane
+    for k in range(split * BLOCK_K, K, SPLIT_K * BLOCK_K):    # split-K: this program's share of the chunks
+        k_ok = k + cols < K
+        # All loads of the step are issued before any arithmetic waits on one of them; the weights first,
+        # since no kernel writes them: with PDL they stream in while the kernel before finishes.
+        w = tl.load(w_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if SILU_AND_MUL:
+            u = tl.load(up_rows + (k + cols)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            g = tl.load(NormW + k + cols, mask=k_ok, other=0.0)      # a weight too: no kernel writes it
+        if PDL:
+            tl.extra.cuda.gdc_wait()                      # x and the residual are the kernel before's output
+        x = tl.load(X + (k + cols) * stride_x, mask=k_ok, other=0.0, cache_modifier=X_CACHE)
+        if HAS_RESIDUAL:
+            r = tl.load(Res + k + cols, mask=k_ok, other=0.0, cache_modifier=X_CACHE)
+        if HAS_RESIDUAL:
+            # The residual addition, rounded to the stream's dtype as in `add_rms_norm`; one program keeps it.
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(X.dtype.element_ty)
+            if tile == 0:
+                tl.store(Stream + k + cols, x, mask=k_ok)
+        xf = x.to(tl.float32)
+        if NORM:
+            # rms_norm(x) * g = rstd * (g * x): the scalar rstd factors out of the dot products, so it is
+            # applied after the loop, from the sum of squares gathered on the way.
+            sum_sq += xf * xf
+            xf = xf * g.to(tl.float32)
+        acc += w.to(tl.float32) * xf[None, :]
+        if SILU_AND_MUL:
+            acc_up += u.to(tl.float32) * xf[None, :]
+    if PDL:
+        tl.extra.cuda.gdc_wait()      # every program waits (a no-op after the loop's): completion stays in order
+    y = tl.sum(acc, axis=1)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
+        y = y * rstd
+    up = y
+    if SILU_AND_MUL:
+        up = tl.sum(acc_up, axis=1)
+        if NORM:
+            up = up * rstd
+    return rows, row_ok, y, up
+
 
 
 @triton.jit
@@ -63,26 +141,26 @@ def _gemv_chain_kernel(X, S0, W1, G1, Out1, S1, W2, Out2, W3, G2, Out3, S2, W4, 
         tl.extra.cuda.gdc_wait()
     if PHASE < 0 or PHASE == 0:            # q/k/v with the input norm (and the residual before it)
         for t in range(pid, tl.cdiv(N1, BN1), grid):
-            _gemv_rows(t, 0, X, W1, Out1, Out1, Out1, S0, G1, S1, N1, K1, 1, eps,
-                       False, BN1, BK1, 1, False, True, HAS_RESIDUAL, False, "")
+            _chain_rows(t, 0, X, W1, Out1, Out1, Out1, S0, G1, S1, N1, K1, 1, eps,
+                        False, BN1, BK1, 1, False, True, HAS_RESIDUAL, False, "")
     if PHASE < 0:
         _grid_barrier(Sync, grid)
     if PHASE < 0 or PHASE == 1:            # o_proj on the first K2 outputs of phase 0
         for t in range(pid, tl.cdiv(N2, BN2), grid):
-            _gemv_rows(t, 0, Out1, W2, Out2, Out2, Out2, Out2, Out2, Out2, N2, K2, 1, eps,
-                       False, BN2, BK2, 1, False, False, False, False, ".cg")
+            _chain_rows(t, 0, Out1, W2, Out2, Out2, Out2, Out2, Out2, Out2, N2, K2, 1, eps,
+                        False, BN2, BK2, 1, False, False, False, False, ".cg")
     if PHASE < 0:
         _grid_barrier(Sync, 2 * grid)
     if PHASE < 0 or PHASE == 2:            # gate/up with the post-attention norm, residual s1, SiLU-and-multiply
         for t in range(pid, tl.cdiv(N3, BN3), grid):
-            _gemv_rows(t, 0, Out2, W3, Out3, Out3, Out3, S1, G2, S2, N3, K3, 1, eps,
-                       False, BN3, BK3, 1, True, True, True, False, ".cg")
+            _chain_rows(t, 0, Out2, W3, Out3, Out3, Out3, S1, G2, S2, N3, K3, 1, eps,
+                        False, BN3, BK3, 1, True, True, True, False, ".cg")
     if PHASE < 0:
         _grid_barrier(Sync, 3 * grid)
     if PHASE < 0 or PHASE == 3:            # down_proj
         for t in range(pid, tl.cdiv(N4, BN4), grid):
-            _gemv_rows(t, 0, Out3, W4, Out4, Out4, Out4, Out4, Out4, Out4, N4, K4, 1, eps,
-                       False, BN4, BK4, 1, False, False, False, False, ".cg")
+            _chain_rows(t, 0, Out3, W4, Out4, Out4, Out4, Out4, Out4, Out4, N4, K4, 1, eps,
+                        False, BN4, BK4, 1, False, False, False, False, ".cg")
 
 
 _GRIDS: dict[tuple, int] = {}        # (device, dtype, tiles and flags, pdl, programs_per_sm) -> the launch's grid

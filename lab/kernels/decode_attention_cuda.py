@@ -1,8 +1,9 @@
 """A decode step's attention side in one CUDA kernel (Hopper): q/k norm and rotation, the K/V write, split-KV
 attention and the splits' combine, where the Triton path launches three kernels (`rotary_triton`'s
-`norm_rotate_and_store_triton`, then `paged_attention_triton`'s split-KV kernel and its combine). A probe of
-issue 23, not used by the engine: at batch 1 it was slower than the three Triton kernels between the GEMVs around
-them (`benchmarks/decode_attention.py`; `benchmarks/README.md`, session 12, has the figures and what they say).
+`norm_rotate_and_store_triton`, then `paged_attention_triton`'s split-KV kernel and its combine). A probe, not used
+by the engine: in the engine at batch 1 it measured 1.261x slower than the three Triton kernels (0.7941 against
+0.6298 ms TPOT, every run), and `lab/probes/decode_attention.py` times it between the GEMVs around it
+(lab/pages/decode-attention-cuda.md has the figures and what they say).
 
 Each (sequence, KV head) gets a thread block cluster of `num_splits` blocks, each taking one contiguous share of the
 keys as the Triton split-KV kernel does; the blocks of a cluster combine their partial softmax results through
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from minirt.kernels.nvcc_build import build_library, hopper_nvcc_missing
+from lab.kernels.nvcc_build import build_library, hopper_nvcc_missing
 
 SOURCE = Path(__file__).with_name("decode_attention_cuda.cu")
 DTYPES = {torch.bfloat16: "BF16", torch.float32: "F32"}

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minirt.kernels import gemv_chain_cuda as C
+from lab.kernels import gemv_chain_cuda as C
 
 DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
 MISSING = C.cuda_chain_missing(DEVICE)

@@ -1,4 +1,4 @@
-// The floor under the GEMV chain's dependencies (benchmarks/sync_floor.py; issue 23, session 9): how long one
+// The floor under the GEMV chain's dependencies (lab/probes/sync_floor.py; lab/pages/sync-floor.md): how long one
 // flagged word takes from one SM to another, and how long every block takes to see every other block's words,
 // idle and with the other warps of every block streaming a buffer larger than L2 from memory.
 //
@@ -14,7 +14,7 @@
 //     (acquire) until all blocks have, then the 256 threads load every line once (a grid barrier, then the input);
 //     a word found older than r counts in out[2].
 // Words are (round << 16) | data, written with st.relaxed.gpu and polled with ld.relaxed.gpu, as in
-// minirt/kernels/gemv_chain_cuda.cu. Block 0's thread 0 reads %globaltimer (ns) before the first round and after
+// lab/kernels/gemv_chain_cuda.cu. Block 0's thread 0 reads %globaltimer (ns) before the first round and after
 // the last.
 #include <cstdint>
 #include <cuda_runtime.h>

@@ -6,24 +6,24 @@ through copies of W that together exceed the L2 (60 MB on an H200), so every cal
 decode step does. Then a sweep of (block_n, block_k, split_k, num_warps) in the graph: the best per shape, the
 best single config, and what `choose_config` picked. Last, the MLP's gate/up with its SiLU-and-multiply as two
 kernels and as one (the product in the GEMV's epilogue). Writes `gemv-cuda[-quick]-<date>.json` to --out
-(default `benchmarks/results`). Chapter 07 cites its figures; `choose_config`'s defaults come from it.
+(default `lab/results/gemv-chain`). `choose_config`'s defaults come from it; lab/pages/gemv-chain.md has the chains'.
 
-    python benchmarks/gemv.py            # full sweep (a few minutes, mostly Triton compiles)
-    python benchmarks/gemv.py --quick    # defaults and a handful of configs
-    python benchmarks/gemv.py --chain    # a decode step's GEMVs back to back, with and without PDL
-    python benchmarks/gemv.py --cuda-chain   # the same 28 layers in one persistent CUDA launch, against the above
+    python lab/probes/gemv.py            # full sweep (a few minutes, mostly Triton compiles)
+    python lab/probes/gemv.py --quick    # defaults and a handful of configs
+    python lab/probes/gemv.py --chain    # a decode step's GEMVs back to back, with and without PDL
+    python lab/probes/gemv.py --cuda-chain   # the same 28 layers in one persistent CUDA launch, against the above
     ncu --clock-control none --set full -k regex:gemv_chain --launch-skip 2 --launch-count 1 -o chain \
-        python benchmarks/gemv.py --cuda-chain-launches 3      # that launch's stall reasons, for Nsight Compute
+        python lab/probes/gemv.py --cuda-chain-launches 3      # that launch's stall reasons, for Nsight Compute
 
 `--chain` measures what a batch-1 decode step runs: 28 layers' four GEMVs (q/k/v and gate/up with the norm in
 their prologue, o_proj, down_proj; the gate/up with SiLU-and-multiply), each taking the one before's output as
 its x, all with their own weights (0.88 GB, more than the L2), captured in one CUDA graph. Isolated calls
 overstate each kernel's ramp-up and tail, which a chain with programmatic dependent launch (PDL) overlaps.
 It times the chain with `choose_config`'s tiles without and with PDL, then each layer's four GEMVs as one
-persistent launch (`minirt.kernels.gemv_chain_triton`) at 1, 2, 4 and 8 programs per SM, then varies one layer
+persistent launch (`lab.kernels.gemv_chain_triton`) at 1, 2, 4 and 8 programs per SM, then varies one layer
 GEMV's tiles at a time (the others at their defaults), with PDL. Writes `gemv-chain-cuda-<date>.json`.
 
-`--cuda-chain` times `minirt.kernels.gemv_chain_cuda` (all 28 layers in one launch, the weights streamed through a
+`--cuda-chain` times `lab.kernels.gemv_chain_cuda` (all 28 layers in one launch, the weights streamed through a
 shared-memory ring by a producer warp) against the four-kernel chain with PDL and the persistent Triton chain (4
 programs per SM, PDL) in the same run: both chains' outputs against float64 after 1 to 28 layers; stages of 8 and 16
 KB, the ring as deep as shared memory allows and shallower, the weights' copies asking L2 to evict them first, and
@@ -47,7 +47,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))     # the repository root: minirt and lab
 from minirt.bench import copy_bandwidth, report_header, write_report  # noqa: E402
 
 G = None        # minirt.kernels.gemv_triton, imported in main() once CUDA (and so Triton) is known to be there
@@ -209,7 +209,7 @@ def layer_chain(pdl: bool, configs: dict | None = None) -> float:
 def persistent_chain(pdl: bool, programs_per_sm: int) -> float:
     """`layer_chain`'s layers with each layer's four GEMVs in one persistent launch (`gemv_chain`, phases split by
     grid barriers; one memset zeroes the layers' counts), microseconds per layer."""
-    from minirt.kernels.gemv_chain_triton import gemv_chain
+    from lab.kernels.gemv_chain_triton import gemv_chain
 
     weights, norm_w, x0 = chain_inputs()
     sync = torch.zeros(NUM_LAYERS, dtype=torch.int32, device="cuda")
@@ -228,7 +228,7 @@ def persistent_chain(pdl: bool, programs_per_sm: int) -> float:
 
 def cuda_chain_inputs():
     """`chain_inputs()` as `gemv_chain_layers` takes them: (layers, their `layer_table`, x)."""
-    from minirt.kernels.gemv_chain_cuda import layer_table
+    from lab.kernels.gemv_chain_cuda import layer_table
 
     weights, norm_w, x0 = chain_inputs()
     layers = [(*ws, norm_w, norm_w) for ws in weights]
@@ -240,7 +240,7 @@ def cuda_chain(num_stages: int | None = None, skip: int = 0, stage_bytes: int = 
     """`layer_chain`'s layers in one persistent CUDA launch (`gemv_chain_layers`, which zeroes its sync buffer in
     the graph too): microseconds per layer, and the last layer's output. skip: the kernel's SKIP_* bits (a part
     left out); weights_evict_first: the weights' copies ask L2 to evict them first."""
-    from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, sync_buffer
+    from lab.kernels.gemv_chain_cuda import gemv_chain_layers, sync_buffer
 
     layers, table, x0 = cuda_chain_inputs()
     sync = sync_buffer(x0.device, HIDDEN, N_QKV, INTER)
@@ -273,7 +273,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def chain_depth_agreement() -> dict:
     """Both chains' outputs against `reference_chain` (float64, rounded where they round) after 1 to NUM_LAYERS
     layers of `chain_inputs()`, eager: how the bf16 rounding steps add up with depth."""
-    from minirt.kernels.gemv_chain_cuda import gemv_chain_layers, reference_chain
+    from lab.kernels.gemv_chain_cuda import gemv_chain_layers, reference_chain
 
     layers, _, x0 = cuda_chain_inputs()
     out = {}
@@ -293,7 +293,7 @@ def chain_timeline(skip: int = 0) -> dict:
     layers 2-27 of each part of a block's time (thread 0's clock between TIMELINE_STAMPS), in microseconds at the
     clock rate the launch's own duration gives; and how far ahead of the consumers the producer issued (None with
     SKIP_STREAM: no copies)."""
-    from minirt.kernels.gemv_chain_cuda import TIMELINE_STAMPS, gemv_chain_layers
+    from lab.kernels.gemv_chain_cuda import TIMELINE_STAMPS, gemv_chain_layers
 
     layers, table, x0 = cuda_chain_inputs()
     grid = torch.cuda.get_device_properties(0).multi_processor_count
@@ -330,8 +330,8 @@ def chain_timeline(skip: int = 0) -> dict:
 
 
 def cuda_chain_sweep(out_dir: str) -> None:
-    from minirt.kernels import gemv_chain_cuda as C
-    from minirt.kernels.gemv_chain_cuda import cuda_chain_missing, max_stages
+    from lab.kernels import gemv_chain_cuda as C
+    from lab.kernels.gemv_chain_cuda import cuda_chain_missing, max_stages
 
     device = torch.device("cuda")
     if missing := cuda_chain_missing(device):
@@ -432,7 +432,7 @@ def main():
     ap.add_argument("--cuda-chain", action="store_true", help="the chain in one persistent CUDA launch")
     ap.add_argument("--cuda-chain-launches", type=int, metavar="N",
                     help="only launch the CUDA chain N times, eagerly, for a profiler (ncu) to pick one")
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parents[1] / "results" / "gemv-chain"))
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("error: the GEMV benchmark needs a CUDA device", file=sys.stderr)
@@ -450,7 +450,7 @@ def main():
         cuda_chain_sweep(args.out)
         return 0
     if args.cuda_chain_launches:
-        from minirt.kernels.gemv_chain_cuda import gemv_chain_layers
+        from lab.kernels.gemv_chain_cuda import gemv_chain_layers
 
         layers, table, x0 = cuda_chain_inputs()
         for _ in range(args.cuda_chain_launches):

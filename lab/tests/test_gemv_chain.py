@@ -34,7 +34,7 @@ def make_layer(k1, n1, k2, inter, dtype, seed=0, with_residual=True):
 
 
 def unfused(x, residual, weights, norms, pdl=False):
-    """The four `linear_gemv` calls of the chain, as `benchmarks/gemv.py --chain` makes them."""
+    """The four `linear_gemv` calls of the chain, as `lab/probes/gemv.py --chain` makes them."""
     from minirt.kernels.gemv_triton import linear_gemv
 
     qkv, s1 = linear_gemv(x, weights[0], norm_weight=norms[0], residual=residual, pdl=pdl)
@@ -48,7 +48,7 @@ def unfused(x, residual, weights, norms, pdl=False):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_chain_equals_the_four_gemvs_bit_for_bit(shape, dtype, with_residual):
-    from minirt.kernels.gemv_chain_triton import gemv_chain
+    from lab.kernels.gemv_chain_triton import gemv_chain
 
     x, residual, weights, norms = make_layer(*shape, dtype, with_residual=with_residual)
     got = gemv_chain(x, weights, norms, residual)
@@ -61,7 +61,7 @@ def test_chain_equals_the_four_gemvs_bit_for_bit(shape, dtype, with_residual):
 @pytest.mark.parametrize("shape", SHAPES[:2], ids=str)
 def test_chain_matches_float64(shape):
     """The same chain in float64 torch, rounded where the model rounds (the streams, gate and up, the outputs)."""
-    from minirt.kernels.gemv_chain_triton import gemv_chain
+    from lab.kernels.gemv_chain_triton import gemv_chain
 
     x, residual, weights, norms = make_layer(*shape, torch.float32)
     got = gemv_chain(x, weights, norms, residual)
@@ -89,7 +89,7 @@ def test_chain_in_a_cuda_graph_of_layers(pdl):
     """28 layers of chains in one CUDA graph, each with its own zeroed count (one memset for all), replayed twice:
     every output equal to the unfused chains' replayed the same way."""
     from minirt.kernels import pdl_missing
-    from minirt.kernels.gemv_chain_triton import gemv_chain
+    from lab.kernels.gemv_chain_triton import gemv_chain
 
     if pdl and pdl_missing(torch.device("cuda")):
         pytest.skip(f"PDL needs {pdl_missing(torch.device('cuda'))}")
@@ -123,7 +123,7 @@ def test_chain_in_a_cuda_graph_of_layers(pdl):
 
 def test_chain_argument_errors():
     pytest.importorskip("triton")
-    from minirt.kernels.gemv_chain_triton import gemv_chain
+    from lab.kernels.gemv_chain_triton import gemv_chain
 
     x, residual, weights, norms = make_layer(64, 96, 32, 48, torch.float32)
     too_wide = torch.zeros(64, 97)                       # o_proj reading more q/k/v outputs than there are
@@ -143,7 +143,7 @@ def test_resident_programs_respects_every_limit_of_an_sm():
     pytest.importorskip("triton")
     from types import SimpleNamespace
 
-    from minirt.kernels.gemv_chain_triton import resident_programs
+    from lab.kernels.gemv_chain_triton import resident_programs
 
     def compiled(n_regs, warps, shared=0):
         return SimpleNamespace(n_regs=n_regs, metadata=SimpleNamespace(num_warps=warps, shared=shared))

@@ -1,5 +1,5 @@
 """CUDA C++ kernels built on first use: nvcc into a shared library that ctypes loads (the persistent GEMV chain of
-`gemv_chain_cuda`, the decode attention of `decode_attention_cuda`, the benchmarks' probes)."""
+`gemv_chain_cuda`, the decode attention of `decode_attention_cuda`, `lab/probes/sync_floor.py`)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 // The layers' GEMV chain at batch 1 in one persistent CUDA kernel with its weights streamed through shared memory
-// (issue 23's megakernel, second step; minirt/kernels/gemv_chain_cuda.py plans the tiles, builds it with nvcc,
-// checks the arguments and launches it through ctypes).
+// (a batch-1 megakernel probe, lab/pages/gemv-chain.md; lab/kernels/gemv_chain_cuda.py plans the tiles, builds it
+// with nvcc, checks the arguments and launches it through ctypes).
 //
 // One thread block per SM, for the whole launch (every layer). Each block owns a contiguous range of output rows
 // in each of a layer's four products, so it knows from the start every weight byte it will read, in order:
@@ -50,7 +50,7 @@ constexpr int GROUP = 4;                         // chunks whose weights a lane 
 constexpr int MAX_TILES = 16;                    // stage tiles per block per product (the warp sums' buffer)
 constexpr int MAX_X_VECS = 3;                    // a product's input: at most 3 x 4 x CONSUMERS columns
 static_assert(MAX_X_VECS * 4 * CONSUMERS >= CONSUMER_WARPS * MAX_CHUNKS * 32, "the widest row the tiles allow");
-// Params::flags, for benchmarks/gemv.py's breakdown of the time (each leaves a part out; results are then wrong)
+// Params::flags, for lab/probes/gemv.py's breakdown of the time (each leaves a part out; results are then wrong)
 constexpr int SKIP_BARRIERS = 1, SKIP_PROLOGUE = 2, SKIP_DOTS = 4, SKIP_STREAM = 8;
 // Params::timeline: per block and product, the SM's clock when thread 0 starts the product, has its own input
 // words, the block has its input, thread 0 has its first stage, all warps are through their stages, through the
@@ -111,7 +111,7 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "}\n" :: "r"(smem_addr(bar)), "r"(parity) : "memory");
 }
 #ifndef MINIRT_WEIGHTS_EVICT_FIRST
-#define MINIRT_WEIGHTS_EVICT_FIRST 0   // 1: the weights' copies ask L2 to evict them first (issue 23's next probe)
+#define MINIRT_WEIGHTS_EVICT_FIRST 0   // 1: the weights' copies ask L2 to evict them first (a probe)
 #endif
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
 #if MINIRT_WEIGHTS_EVICT_FIRST

@@ -1,8 +1,8 @@
 """The layers' GEMV chain at batch 1 in one persistent CUDA kernel, weights streamed through shared memory: the
-second step toward a batch-1 "megakernel" (issue 23; not used by the engine yet).
+second batch-1 "megakernel" probe, not used by the engine (lab/pages/gemv-chain.md).
 
-`minirt.kernels.gemv_chain_triton` put a layer's four GEMVs in one Triton launch with grid barriers between them and
-was slower than the four kernels with PDL (19.8 against 13.4 us per layer, `benchmarks/README.md`): after each
+`lab.kernels.gemv_chain_triton` put a layer's four GEMVs in one Triton launch with grid barriers between them and
+was slower than the four kernels with PDL (19.8 against 13.4 us per layer, lab/pages/gemv-chain.md): after each
 barrier every program starts its loads from nothing. Here (`gemv_chain_cuda.cu`, CUDA C++, built on first use by
 nvcc into a shared library that ctypes loads) one block per SM runs every layer of the chain; each block owns fixed
 output rows of each product, and a producer warp streams all of its weights, layer after layer, through a ring of
@@ -12,8 +12,8 @@ protocol, so no grid barrier), then find their tiles already loaded and multiply
 an eighth of the columns of every row (x split into three bf16 parts, so that every product is exact). The memory
 can stream through the waits; what remains per product is the latency of the output's way through L2 and of the
 epilogue (Hazy Research's Llama-1B megakernel, 2025, and the warp-specialized pipelines of CUTLASS's Hopper kernels
-work so). `benchmarks/README.md` (issue 23, sessions 7 and 8) has the figures against the four kernels with PDL, a
-breakdown by part (`skip`) and per-block timelines (`timeline`).
+work so). lab/pages/gemv-chain.md has the figures against the four kernels with PDL (the kept version: 19.34
+against 13.51 us a layer), a breakdown by part (`skip`) and per-block timelines (`timeline`).
 
 Per layer (bf16; the stream s0 of layer 0 is `residual`, or x itself when None; later layers' is the layer before's
 s2, kept in each block's shared memory):
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from minirt.kernels import num_sms
-from minirt.kernels.nvcc_build import build_library, hopper_nvcc_missing
+from lab.kernels.nvcc_build import build_library, hopper_nvcc_missing
 
 SOURCE = Path(__file__).with_name("gemv_chain_cuda.cu")
 STAGE_BYTES = 16384         # one stage of the ring by default (gemv_chain_cuda.cu's MINIRT_STAGE_BYTES)
