@@ -151,7 +151,7 @@ def _graph_kernel(r: _Resolution) -> list[str]:
 
 
 def _one_process(r: _Resolution) -> list[str]:
-    """What a switch that the tensor-parallel runner (`minirt.parallel`) cannot run lacks under it."""
+    """What a switch that chapter 09's tensor-parallel runner cannot run lacks under it."""
     tp = r.tensor_parallel_size
     return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks run no graphs, GEMVs or bursts)"]
 
