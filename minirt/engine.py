@@ -103,7 +103,8 @@ class Engine:
     step (`choose_step` returns `step`), one process. It reads no speed switch of chapter 07 and no
     `tensor_parallel_size` of chapter 09: they are accepted (the settings are declared once, in `EngineConfig`)
     and ignored. `minirt.Engine` and `minirt.LLM` build the full engine, which honours them: chapter 07's
-    `minirt.fast.FastEngine`, built on this class by overriding those two methods.
+    `minirt.fast.FastEngine`, a subclass that overrides those two methods (and, for multi-step decode, uses a
+    scheduler that also grants bursts), or chapter 09's `minirt.parallel.TensorParallelEngine`.
     """
 
     @takes_settings
