@@ -20,7 +20,6 @@ import threading
 
 from minirt.config import EngineConfig, takes_settings
 from minirt.engine import DEFAULT_MODEL
-from minirt.engine import Engine as ReferenceEngine
 from minirt.request import RequestOutput
 from minirt.sampling import SamplingParams
 
@@ -37,7 +36,7 @@ def normalize_prompts(prompts) -> list:
 
 
 @takes_settings
-def Engine(model: str | os.PathLike = DEFAULT_MODEL, **settings) -> ReferenceEngine:
+def Engine(model: str | os.PathLike = DEFAULT_MODEL, **settings) -> "minirt.engine.Engine":
     """`minirt.Engine`: the asyncio engine for `model` (a checkpoint directory or hub id) and `settings` (the
     fields of `minirt.config.EngineConfig`): a `minirt.fast.FastEngine` (the plan's speedups, `engine.plan`), or
     with `tensor_parallel_size > 1` a `minirt.parallel.TensorParallelEngine` (one process per rank). Either is a

@@ -14,4 +14,5 @@ from minirt.parallel.sharding import (Communicator, ParallelLMHead, RowParallelL
                                       check_shardable, column_parallel, shard_model)
 
 __all__ = ["Communicator", "ParallelLMHead", "RowParallelLinear", "TensorParallelEngine", "TensorParallelRunner",
-           "VocabParallelEmbedding", "build_tensor_parallel_runner", "check_shardable", "column_parallel", "shard_model"]
+           "VocabParallelEmbedding", "build_tensor_parallel_runner", "check_shardable", "column_parallel",
+           "shard_model"]
