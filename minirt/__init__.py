@@ -6,8 +6,8 @@
     print(out[0].text)
 """
 
-from minirt.engine import DEFAULT_MODEL, Engine, EngineFailedError
-from minirt.llm import LLM
+from minirt.engine import DEFAULT_MODEL, EngineFailedError
+from minirt.llm import LLM, Engine          # the full engine (chapters 07 and 09), imported when first built
 from minirt.model import load_model
 from minirt.request import RequestMetrics, RequestOutput, StreamDelta
 from minirt.sampling import SamplingParams

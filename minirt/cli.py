@@ -40,7 +40,7 @@ def _params(args, index: int = 0):
 async def _demo(args) -> int:
     from tqdm.auto import tqdm
 
-    from minirt.engine import Engine
+    from minirt import Engine
     from minirt.metrics import format_table, summarize
 
     if args.num_prompts is not None and args.num_prompts < 1:
@@ -80,7 +80,7 @@ async def _demo(args) -> int:
 
 
 async def _generate(args) -> int:
-    from minirt.engine import Engine
+    from minirt import Engine
 
     params = _params(args)
     engine = Engine(args.model, device=args.device, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size)

@@ -31,11 +31,11 @@ from typing import AsyncIterator
 import torch
 
 from minirt.config import EngineConfig, takes_settings
-from minirt.fast import build_model_runner, build_step, resolve_plan
 from minirt.kv.block_pool import BlockPool
-from minirt.kv.paged_cache import kv_bytes_per_token
+from minirt.kv.paged_cache import allocate_kv_cache, kv_bytes_per_token
 from minirt.kv.prefix_cache import PrefixCache
-from minirt.model.loader import load_config, load_model, resolve_checkpoint, resolve_device
+from minirt.model.loader import load_config, load_model, resolve_checkpoint
+from minirt.model_runner import ModelRunner
 from minirt.request import Request, RequestOutput, StreamDelta
 from minirt.sampling import SamplingParams
 from minirt.scheduler import Scheduler, blocks_needed
@@ -98,6 +98,13 @@ class Engine:
     Use it as an async context manager (`async with engine:` starts and stops the loop), then
     `await engine.generate(prompt, params)` or `async for delta in engine.stream(prompt, params)`.
     Raises ValueError (naming the field) for bad settings here and bad requests at submission.
+
+    This is chapter 05's engine: chapter 05's `ModelRunner` (`build_model_runner`), one decode step per engine
+    step (`choose_step` returns `step`), one process. It reads no speed switch of chapter 07 and no
+    `tensor_parallel_size` of chapter 09: they are accepted (the settings are declared once, in `EngineConfig`)
+    and ignored. `minirt.Engine` and `minirt.LLM` build the full engine, which honours them: chapter 07's
+    `minirt.fast.FastEngine`, a subclass that overrides those two methods (and, for multi-step decode, uses a
+    scheduler that also grants bursts), or chapter 09's `minirt.parallel.TensorParallelEngine`.
     """
 
     @takes_settings
@@ -105,8 +112,6 @@ class Engine:
         self.config = config = EngineConfig.from_settings(settings)
         path = resolve_checkpoint(model)
         model_config = load_config(path)
-        #: What runs of chapter 07's switches, resolved once before anything is loaded (`minirt.fast.plan`).
-        self.plan = resolve_plan(config, resolve_device(config.device), model_config)
         limit = getattr(model_config, "max_position_embeddings", None)
         if config.max_model_len is None:
             config.max_model_len = limit or 2048
@@ -119,13 +124,12 @@ class Engine:
             config.num_kv_blocks = default_num_kv_blocks(model_config, self.model.dtype, self.device,
                                                          config.block_size, config.max_model_len, config.max_num_seqs)
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
-        self.model_runner = build_model_runner(self.plan, self.model, config.num_kv_blocks, config.block_size,
-                                               config.max_num_seqs, config.max_model_len, config.tensor_parallel_size,
-                                               config.max_num_batched_tokens)
+        self.model_runner = self.build_model_runner()
         self.pool = BlockPool(config.num_kv_blocks)
         self.prefix_cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.pool, self.prefix_cache)
-        self.step = build_step(self)        # `step`, or chapter 07's multi-step decode (`minirt.fast.multi_step`)
+        #: The step the loop runs, chosen once (vLLM v1's `step_fn`); `step` itself is never replaced.
+        self.step_fn = self.choose_step()
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
         self._loop_task: asyncio.Task | None = None
@@ -135,6 +139,17 @@ class Engine:
         #: Called as `callback(engine, batch)` after each step's bookkeeping, before the loop yields:
         #: the place to record timelines or check invariants (chapters 05-06, the load tests).
         self.step_callbacks: list = []
+
+    def build_model_runner(self) -> ModelRunner:
+        """The model runner over the loaded model, with a KV cache of `config.num_kv_blocks` blocks."""
+        cfg = self.config
+        kv_cache = allocate_kv_cache(self.model.config, cfg.num_kv_blocks, cfg.block_size, self.model.dtype,
+                                     self.device)
+        return ModelRunner(self.model, kv_cache, cfg.block_size)
+
+    def choose_step(self):
+        """The function the loop calls for each engine step (returns False if nothing was scheduled): `step`."""
+        return self.step
 
     # ------------------------------------------------------------------ collections (read-only views)
     @property
@@ -243,7 +258,7 @@ class Engine:
 
     def _add_request(self, prompt, params: SamplingParams | None = None, request_id: str | None = None) -> Request:
         """Validate and enqueue a request for the next steps; returns it. Raises ValueError for bad input.
-        What `submit` and `minirt.LLM` (which drives `step` itself) share."""
+        What `submit` and `minirt.LLM` (which drives `step_fn` itself) share."""
         return self._enqueue(*self.validate(prompt, params, request_id), request_id)
 
     def _enqueue(self, text: str | None, ids: list[int], params: SamplingParams, request_id: str | None = None
@@ -331,7 +346,7 @@ class Engine:
                     await self._wakeup.wait()
                     continue
                 try:
-                    if not self.step():      # validated requests always fit: no progress is a bug, never a wait
+                    if not self.step_fn():   # validated requests always fit: no progress is a bug, never a wait
                         raise RuntimeError("the scheduler could not schedule any of the requests it holds")
                 except Exception as e:       # noqa: BLE001 - any failure must resolve every future
                     self._fail_all(e)

@@ -1,9 +1,14 @@
-"""`LLM`: the synchronous front door - a list of prompts in, a list of outputs out (vLLM's `LLM` class).
+"""The front doors: `LLM`, the synchronous one - a list of prompts in, a list of outputs out (vLLM's `LLM` class) -
+and `Engine`, which builds the asyncio engine for a set of settings (`minirt.LLM` and `minirt.Engine`).
 
-It owns one `Engine` and drives its steps itself, in the calling thread, until every request of a `generate`
+`LLM` owns one engine and drives its steps itself, in the calling thread, until every request of a `generate`
 call is done (nano-vllm's `LLMEngine.generate` loop): no event loop and no helper thread, so it runs the same in
 a script and inside a running Jupyter kernel. An interrupt (Ctrl-C, Jupyter's "interrupt kernel") aborts the
 call's requests, frees their blocks and is raised again, between two steps.
+
+The engine built is the full one: chapter 07's `minirt.fast.FastEngine`, or chapter 09's
+`minirt.parallel.TensorParallelEngine` when `tensor_parallel_size > 1`. Both are chapter 05's
+`minirt.engine.Engine`, built on; their packages are imported when the first engine is built, not by `import minirt`.
 """
 
 from __future__ import annotations
@@ -13,8 +18,8 @@ import os
 import signal
 import threading
 
-from minirt.config import takes_settings
-from minirt.engine import DEFAULT_MODEL, Engine
+from minirt.config import EngineConfig, takes_settings
+from minirt.engine import DEFAULT_MODEL
 from minirt.request import RequestOutput
 from minirt.sampling import SamplingParams
 
@@ -28,6 +33,20 @@ def normalize_prompts(prompts) -> list:
             return [list(prompts)]          # one prompt given as token ids
         return list(prompts)
     raise ValueError(f"prompts: must be a str, a list of str or a list of token-id lists, got {type(prompts).__name__}")
+
+
+@takes_settings
+def Engine(model: str | os.PathLike = DEFAULT_MODEL, **settings) -> "minirt.engine.Engine":
+    """`minirt.Engine`: the asyncio engine for `model` (a checkpoint directory or hub id) and `settings` (the
+    fields of `minirt.config.EngineConfig`): a `minirt.fast.FastEngine` (the plan's speedups, `engine.plan`), or
+    with `tensor_parallel_size > 1` a `minirt.parallel.TensorParallelEngine` (one process per rank). Either is a
+    `minirt.engine.Engine`. Raises ValueError naming the field for a bad or unknown setting, or one that cannot run
+    here (before the model loads)."""
+    if EngineConfig.from_settings(settings).tensor_parallel_size > 1:
+        from minirt.parallel.engine import TensorParallelEngine as engine_class
+    else:
+        from minirt.fast.engine import FastEngine as engine_class
+    return engine_class(model, **settings)
 
 
 class LLM:
@@ -70,7 +89,7 @@ class LLM:
                 while not interrupted():
                     if all(r.is_finished for r in requests):
                         break
-                    if not engine.step():     # validated requests always fit: no progress is a bug, never a wait
+                    if not engine.step_fn():  # validated requests always fit: no progress is a bug, never a wait
                         raise RuntimeError("the scheduler could not schedule any of the requests it holds")
                 else:
                     raise KeyboardInterrupt

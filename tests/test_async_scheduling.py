@@ -198,7 +198,7 @@ def test_preempted_and_readmitted_while_its_token_is_in_flight(tiny_models):
 def test_bursts_wait_for_a_step_in_flight_whose_prefill_was_aborted(tiny_models, overlap):
     """The only prefilling request is aborted while a step with its chunk is in flight: what is left is decodes
     alone, which a burst would run from the host's state before the step in flight is accounted and taken; bursts
-    wait for it (`build_step`'s `busy`), and the other requests get transformers' tokens."""
+    wait for it (`BurstSteps.busy`), and the other requests get transformers' tokens."""
     path = tiny_models["llama"]
     prompts = random_prompts(46, [3, 4, 30])
     llm = build(path, num_scheduler_steps=4, overlap_scheduling=overlap, max_num_batched_tokens=8,

@@ -15,7 +15,6 @@ import minirt
 from conftest import hf_greedy, random_prompts
 from minirt.attention import paged_attention_reference, store_kv
 from minirt.config import cdiv
-from minirt.fast import build_step
 from minirt.fast.cuda_graphs import DecodeGraphs, capture_sizes
 from minirt.fast.runner import FastModelRunner
 from minirt.kv.paged_cache import allocate_kv_cache
@@ -49,19 +48,18 @@ def spy_on(graphs) -> list[int]:
 
 def padded_engine(path, num_scheduler_steps: int = 1, overlap_scheduling: bool | None = None, **kw) -> "minirt.LLM":
     """An LLM whose runner (a `FastModelRunner`, as the plan builds it with CUDA graphs) sends every
-    one-token-per-sequence step through `DecodeGraphs(capture=False)`, with the torch reference kernel.
+    one-token-per-sequence step through `DecodeGraphs(capture=False)`, with the torch reference kernel. The plan's
+    scheduler and step (multi-step decode, overlap scheduling) are the engine's own, built from these settings;
     overlap_scheduling: None = on with bursts (the plan's default)."""
-    llm = minirt.LLM(model=path, device="cpu", dtype=torch.float32, block_size=4, **kw)
+    llm = minirt.LLM(model=path, device="cpu", dtype=torch.float32, block_size=4,
+                     num_scheduler_steps=num_scheduler_steps, overlap_scheduling=overlap_scheduling, **kw)
     engine = llm.engine
     n_blocks, cfg = engine.pool.num_blocks, engine.config
     kv_cache = allocate_kv_cache(engine.model.config, n_blocks + 1, 4, torch.float32, torch.device("cpu"))
     graphs = DecodeGraphs(engine.model, kv_cache, paged_attention_reference, store_kv, cfg.max_num_seqs,
                           cdiv(cfg.max_model_len, 4), scratch_block=n_blocks, capture=False)
     engine.model_runner = FastModelRunner(engine.model, kv_cache, 4, paged_attention_reference, store_kv, graphs)
-    overlap = num_scheduler_steps > 1 if overlap_scheduling is None else overlap_scheduling
-    engine.plan = dataclasses.replace(engine.plan, cuda_graphs=True, num_scheduler_steps=num_scheduler_steps,
-                                      overlap_scheduling=overlap)
-    engine.step = build_step(engine)
+    engine.plan = dataclasses.replace(engine.plan, cuda_graphs=True)      # what the runner now runs
     return llm
 
 

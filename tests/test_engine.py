@@ -232,7 +232,7 @@ def test_oom_fails_every_in_flight_request(tiny_models, monkeypatch, when):
 
 def test_llm_exposes_engine(tiny_models):
     llm = minirt.LLM(model=tiny_models["llama"], **ENGINE_KW)
-    assert isinstance(llm.engine, minirt.Engine)
+    assert isinstance(llm.engine, minirt.engine.Engine)       # chapter 05's, built on (`minirt.Engine` builds it)
     outs = llm.generate(random_prompts(1060, [4]), greedy(2))
     assert len(outs) == 1 and isinstance(outs[0], minirt.RequestOutput)
     _assert_all_free(llm.engine)
@@ -307,7 +307,7 @@ def test_stress_invariants_with_timeouts_cancels_and_preemption(tiny_models, see
         async with minirt.Engine(model=path, device="cpu", dtype=torch.float32, block_size=4, num_kv_blocks=20,
                                  max_num_batched_tokens=16, max_prefill_chunk=6, max_num_seqs=6) as engine:
             check = getattr(engine.scheduler, "check_invariants", None) if hasattr(engine, "scheduler") else None
-            original_step = engine.step
+            original_step = engine.step_fn
             steps = [0]
 
             def checked_step():
@@ -317,7 +317,7 @@ def test_stress_invariants_with_timeouts_cancels_and_preemption(tiny_models, see
                     check()
                 return progressed
 
-            engine.step = checked_step
+            engine.step_fn = checked_step
 
             async def client(i):
                 await asyncio.sleep(rng.random() * 0.05)

@@ -50,7 +50,7 @@ def load_run(tiny_models):
             for rid, prompt, params, _, timeout in jobs:
                 tasks[rid] = asyncio.create_task(engine.generate(prompt, params, request_id=rid, timeout=timeout))
             cancels = {rid: status for rid, _, _, status, _ in jobs if status is not None}
-            original_step = engine.step
+            original_step = engine.step_fn
 
             def observed_step():
                 progressed = original_step()
@@ -68,7 +68,7 @@ def load_run(tiny_models):
                         del cancels[rid]
                 return progressed
 
-            engine.step = observed_step
+            engine.step_fn = observed_step
             results = await asyncio.wait_for(asyncio.gather(*tasks.values(), return_exceptions=True), 600)
             return dict(zip(tasks, results)), engine.stats()
 

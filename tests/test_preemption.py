@@ -44,14 +44,14 @@ def test_admission_reserves_only_the_prompt(tiny_models):
     llm = minirt.LLM(tiny_models["qwen3"], block_size=4, num_kv_blocks=12, max_num_batched_tokens=64, dtype="float32")
     engine = llm.engine
     seen = []
-    original = engine.step
+    original = engine.step_fn
 
     def step():
         progressed = original()
         seen.append(len(engine.running_requests) + len(engine.prefilling_requests))
         return progressed
 
-    engine.step = step
+    engine.step_fn = step
     outs = llm.generate(prompts, minirt.SamplingParams(max_new_tokens=20, ignore_eos=True))
     # Reserving prompt + max_new_tokens (7 blocks each) would admit one request at a time.
     assert max(seen) == 4

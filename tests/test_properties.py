@@ -9,7 +9,7 @@ from hypothesis import example, given, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from minirt.config import EngineConfig
-from minirt.fast.multi_step import decode_steps_ahead
+from minirt.fast.multi_step import BurstScheduler
 from minirt.kv import BlockPool, PrefixCache, block_hashes
 from minirt.request import Request
 from minirt.sampling import SamplingParams
@@ -196,8 +196,8 @@ def test_random_schedules_keep_the_rules(prompts, budget, cap, seats, block_size
          arrivals=[2, 0, 0, 0, 0, 0, 0, 0], at_limit=True)          # the first request caps the bursts at its end
 def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, num_blocks, max_steps, arrivals,
                                           at_limit):
-    """`minirt.fast.multi_step.decode_steps_ahead` against its rules, under random arrivals and a fake model that takes every
-    burst's steps one by one: a burst only when all admitted requests decode and none waits, as long as `max_steps`
+    """`minirt.fast.multi_step.BurstScheduler.decode_steps_ahead` against its rules, under random arrivals and a
+    fake model that takes every burst's steps one by one: a burst only when all admitted requests decode and none waits, as long as `max_steps`
     or the most tokens any request has left (requests with fewer end part-way, their later tokens dropped) but no
     request past `max_model_len` (at_limit: the longest request's prompt + max_new_tokens; else None, no limit), and
     with every new token's slot allocated."""
@@ -206,7 +206,7 @@ def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, nu
     config = EngineConfig(block_size=block_size, num_kv_blocks=num_blocks, max_num_seqs=seats,
                           max_num_batched_tokens=budget, max_prefill_chunk=8, max_model_len=limit)
     pool = BlockPool(num_blocks)
-    scheduler = Scheduler(config, pool, PrefixCache(pool, block_size))
+    scheduler = BurstScheduler(config, pool, PrefixCache(pool, block_size), max_steps)
     requests = [Request(f"r{i}", None, [i % 5] * n, SamplingParams(max_new_tokens=m), frozenset())
                 for i, (n, m) in enumerate(prompts)]
     pending = list(requests)
@@ -222,7 +222,7 @@ def test_multi_step_bursts_keep_the_rules(prompts, budget, seats, block_size, nu
         if limit is not None:                           # the positions the request with the fewest has left
             left = min([left] + [limit - r.num_computed_tokens for r in running])
         free_before = pool.num_free_blocks
-        k = decode_steps_ahead(scheduler, max_steps)
+        k = scheduler.decode_steps_ahead()
         if k > 1:
             bursts += 1
             assert all_decode and k == min(max_steps, left)

@@ -3,7 +3,8 @@
 A step with prefill chunks (up to `max_num_batched_tokens` tokens, decodes mixed in) runs a few hundred kernels:
 per layer the GEMMs, the compiled norms and SiLU, the rotary kernel and attention. Launched one by one from
 Python (each `torch.compile` region checks its guards, each Triton kernel binds its arguments), they can take the
-host longer than the GPU takes to run them (the figures: `benchmarks/README.md`, issue 23's log). A whole-step CUDA
+host longer than the GPU takes to run them (measured on the H200 by `benchmarks/profile_throughput.py`: without
+these graphs, the steps with prefill chunks of the throughput workload are host-bound). A whole-step CUDA
 graph cannot hold the attention kernel, whose grid and metadata follow the step's sequences; everything else
 depends only on the token count.
 

@@ -151,7 +151,7 @@ def _graph_kernel(r: _Resolution) -> list[str]:
 
 
 def _one_process(r: _Resolution) -> list[str]:
-    """What a switch that the tensor-parallel runner (`minirt.parallel`) cannot run lacks under it."""
+    """What a switch that chapter 09's tensor-parallel runner cannot run lacks under it."""
     tp = r.tensor_parallel_size
     return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks run no graphs, GEMVs or bursts)"]
 
@@ -205,8 +205,8 @@ RULES: tuple[Rule, ...] = (
          "with multi-step decode"),
     Rule("piecewise_graphs", "piecewise CUDA graphs for steps with prefill chunks", lambda r: r.need("cuda_graphs"),
          lambda r: True, "with CUDA graphs"),
-    # auto: on with piecewise graphs (benchmarks/README.md, session 6: throughput and TTFT both better, once the
-    # sampler no longer made each launch wait for the step it launched).
+    # auto: on with piecewise graphs (benchmarks/results/h200/ab-async-scheduling.json: throughput and TTFT both
+    # better, once the sampler no longer made each launch wait for the step it launched).
     Rule("async_scheduling", "launching a step with prefill chunks before taking the tokens of the one before",
          _one_process, lambda r: bool(r.on["piecewise_graphs"]), "with piecewise CUDA graphs"),
     Rule("silu_and_mul_kernel", "the Triton SiLU-and-multiply kernel", lambda r: list(r.hw.triton), _cuda,

@@ -97,10 +97,10 @@ class FastModelRunner(ModelRunner):
         (postprocess, schedule, build the inputs, launch) leaves the GPU idle once per step; here each step's
         sampled tokens become the next step's inputs on the device (`advance_decode_inputs`), so the host only
         launches, and the GPU runs the steps one after another. `items` are decodes (one new token each) whose
-        block tables already hold `num_steps` new tokens (`minirt.fast.multi_step.decode_steps_ahead`). Returns the
-        requests and their tokens, `[num_steps][num_requests]`; a request that ends part-way (EOS, a stop string,
-        its last token) gets tokens past its end, which the engine drops. Raises ValueError if an item is not a decode.
-        The same as `finish_decode_steps(start_decode_steps(items, num_steps))`.
+        block tables already hold `num_steps` new tokens (`minirt.fast.multi_step.BurstScheduler.decode_steps_ahead`).
+        Returns the requests and their tokens, `[num_steps][num_requests]`; a request that ends part-way (EOS, a stop
+        string, its last token) gets tokens past its end, which the engine drops. Raises ValueError if an item is not
+        a decode. The same as `finish_decode_steps(start_decode_steps(items, num_steps))`.
         """
         return self.finish_decode_steps(self.start_decode_steps(items, num_steps))
 
@@ -138,8 +138,8 @@ class FastModelRunner(ModelRunner):
     def continue_decode_steps(self, burst: "DecodeBurst", num_steps: int) -> "DecodeBurst":
         """Launch `num_steps` more decode steps of `burst`'s requests after its last, before its tokens are read:
         the GPU goes on from the inputs `burst` left on the device while the host takes `burst`'s tokens
-        (`minirt.fast.multi_step`, overlap scheduling). Each request's block table must already hold blocks for the
-        new steps; the device's copy of the tables is refreshed from them first. Returns the new burst."""
+        (`minirt.fast.multi_step.BurstSteps`, overlap scheduling). Each request's block table must already hold blocks
+        for the new steps; the device's copy of the tables is refreshed from them first. Returns the new burst."""
         after = DecodeBurst(burst.requests, burst.inputs, burst.forward, burst.meta, burst.sample)
         if burst.meta is None:
             self.decode_graphs.update_tables([r.block_table for r in burst.requests])
@@ -342,12 +342,10 @@ def fast_parts(plan, model: DecoderModel, num_kv_blocks: int, block_size: int, m
 
 
 def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size: int, max_num_seqs: int,
-                       max_model_len: int, tensor_parallel_size: int = 1,
-                       max_num_batched_tokens: int = MAX_TOKENS) -> ModelRunner:
-    """The engine's model runner for a plan (`minirt.fast.plan.Plan`), with its KV cache of `num_kv_blocks` blocks.
+                       max_model_len: int, max_num_batched_tokens: int = MAX_TOKENS) -> ModelRunner:
+    """The engine's model runner for a plan (`minirt.fast.plan.Plan`), with its KV cache of `num_kv_blocks` blocks
+    (`FastEngine.build_model_runner`; chapter 09's ranks build theirs from `fast_parts`).
 
-    With `tensor_parallel_size > 1`, chapter 09's runner over that many processes
-    (`minirt.parallel.build_tensor_parallel_runner`; the plan's rules keep off what it cannot run).
     For the reference plan, chapter 05's `ModelRunner` over the model as loaded. Otherwise the plan's fast modules
     are swapped into the model (`speed_up_model`), and a `FastModelRunner` gets the plan's attention kernels and,
     with CUDA graphs, one more KV block than the pool hands out: the scratch block padding rows write to; with
@@ -355,11 +353,6 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
     and bursts, `advance_decode_inputs` compiled; with argmax_in_gemv, greedy one-row steps sampled by the LM head
     (`GreedyGemvHead.greedy`).
     """
-    if tensor_parallel_size > 1:
-        from minirt.parallel import build_tensor_parallel_runner
-
-        return build_tensor_parallel_runner(tensor_parallel_size, plan, model, num_kv_blocks, block_size,
-                                            max_num_seqs, max_model_len)
     if plan.is_reference:
         return ModelRunner(model, allocate_kv_cache(model.config, num_kv_blocks, block_size, model.dtype,
                                                     model.device), block_size)

@@ -1,4 +1,4 @@
-"""Chapter 09: the tensor-parallel model runner, chosen once at engine construction (`build_tensor_parallel_runner`).
+"""Chapter 09: the tensor-parallel model runner, built once by `TensorParallelEngine` (`build_tensor_parallel_runner`).
 
 Rank 0's runner is the engine's: `execute` builds the step's host lists as every runner does, sends them to the
 other ranks (`minirt.parallel.workers.send_step`), runs its shard of the forward pass (whose all-reduces meet
@@ -101,8 +101,8 @@ def check_devices(device: torch.device, world_size: int) -> int:
 
 def build_tensor_parallel_runner(world_size: int, plan, model: DecoderModel, num_kv_blocks: int, block_size: int,
                                  max_num_seqs: int, max_model_len: int) -> TensorParallelRunner:
-    """The engine's runner for `tensor_parallel_size = world_size` (`minirt.fast.build_model_runner`'s sibling, with
-    the same arguments after `world_size`): spawn ranks 1..N-1, each loading the checkpoint `model` came from, and
+    """The engine's runner for `tensor_parallel_size = world_size` (`TensorParallelEngine.build_model_runner`;
+    `minirt.fast.build_model_runner`'s sibling, with the same arguments after `world_size`): spawn ranks 1..N-1, each loading the checkpoint `model` came from, and
     keep rank 0's shard of `model` (sharded in place). On the CPU the ranks talk over gloo, on CUDA over NCCL
     (rank r on cuda:first + r, first being `model`'s device).
 

@@ -147,7 +147,7 @@ class BackgroundServer:
 
 def run(args) -> int:
     """`python -m minirt serve`: 0 after a clean shutdown, 1 if the model cannot be loaded, 2 on bad settings."""
-    from minirt.engine import Engine
+    from minirt import Engine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     if args.max_waiting < 1:

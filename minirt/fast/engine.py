@@ -1,0 +1,53 @@
+"""Chapter 07's engine: chapter 05's `Engine`, built from a plan.
+
+`FastEngine` resolves every speed switch once into a `Plan` (`minirt.fast.plan.resolve_plan`), before the model
+loads, so that a switch that cannot run is refused by name first. Then it builds what the plan says: its runner
+(`build_model_runner`: the plan's fast modules swapped into the model, its attention kernels and CUDA graphs,
+`minirt.fast.runner`), its scheduler (`minirt.fast.multi_step.BurstScheduler` with multi-step decode) and its step
+(`choose_step`: bursts of decode steps, overlap and async scheduling). `Engine.step`, the step chapter 05 shows, is
+never replaced; the step the loop runs is stored apart, in `step_fn` (as vLLM v1 keeps `step` and its `step_fn`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from minirt.config import EngineConfig, takes_settings
+from minirt.engine import DEFAULT_MODEL, Engine
+from minirt.fast.async_scheduling import AsyncSteps
+from minirt.fast.multi_step import BurstScheduler, BurstSteps
+from minirt.fast.plan import resolve_plan
+from minirt.fast.runner import build_model_runner
+from minirt.model.loader import load_config, resolve_checkpoint, resolve_device
+
+
+class FastEngine(Engine):
+    """`minirt.engine.Engine` with chapter 07's speedups: what runs is `plan` (a `minirt.fast.Plan`). The same
+    arguments, and the same ValueError naming the field for a bad setting; for a switch asked for (True) that
+    cannot run here, raised before the model loads. Where the plan is the reference (`plan.is_reference`, the
+    defaults on a CPU), it runs exactly chapter 05's engine."""
+
+    @takes_settings
+    def __init__(self, model: str | os.PathLike = DEFAULT_MODEL, **settings):
+        config = EngineConfig.from_settings(settings)
+        #: What runs of chapter 07's switches, resolved once before anything is loaded (`minirt.fast.plan`).
+        self.plan = resolve_plan(config, resolve_device(config.device), load_config(resolve_checkpoint(model)))
+        super().__init__(model, **settings)
+        if self.plan.num_scheduler_steps > 1:     # the reference's scheduler, still empty, gives way
+            self.scheduler = BurstScheduler(self.config, self.pool, self.prefix_cache, self.plan.num_scheduler_steps)
+
+    def build_model_runner(self):
+        """The plan's runner (`minirt.fast.runner.build_model_runner`); chapter 05's for the reference plan."""
+        cfg = self.config
+        return build_model_runner(self.plan, self.model, cfg.num_kv_blocks, cfg.block_size, cfg.max_num_seqs,
+                                  cfg.max_model_len, cfg.max_num_batched_tokens)
+
+    def choose_step(self):
+        """`Engine.step` where the plan runs single steps; with `async_scheduling`, `AsyncSteps.step`; with
+        multi-step decode, `BurstSteps.step` (or `BurstSteps.overlapped_step`, with overlap scheduling), whose
+        single steps are one of those two."""
+        async_steps = AsyncSteps(self) if self.plan.async_scheduling else None
+        if self.plan.num_scheduler_steps == 1:
+            return self.step if async_steps is None else async_steps.step
+        bursts = BurstSteps(self, async_steps)
+        return bursts.overlapped_step if self.plan.overlap_scheduling else bursts.step
