@@ -101,8 +101,8 @@ class Recorder:
         self.engine, self.calls, self.windows = engine, [], {}
         self.profiles: dict[str, list] = collections.defaultdict(list)
         runner = engine.model_runner
-        self._step, self._execute, self._forward = engine.step, runner.execute, runner.forward
-        engine.step, runner.execute, runner.forward = self.step, self.execute, self.forward
+        self._step, self._execute, self._forward = engine.step_fn, runner.execute, runner.forward
+        engine.step_fn, runner.execute, runner.forward = self.step, self.execute, self.forward
         self._launch = getattr(runner, "launch_step", None)        # async scheduling's steps (the fast runner)
         if self._launch is not None:
             runner.launch_step = self.launch_step
@@ -117,7 +117,7 @@ class Recorder:
 
     def close(self):
         runner = self.engine.model_runner
-        self.engine.step, runner.execute, runner.forward = self._step, self._execute, self._forward
+        self.engine.step_fn, runner.execute, runner.forward = self._step, self._execute, self._forward
         if self._launch is not None:
             runner.launch_step = self._launch
         if self._staging is not None:
