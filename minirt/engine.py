@@ -100,11 +100,11 @@ class Engine:
     Raises ValueError (naming the field) for bad settings here and bad requests at submission.
 
     This is chapter 05's engine: chapter 05's `ModelRunner` (`build_model_runner`), one decode step per engine
-    step (`choose_step` returns `step`), one process. It reads no speed switch of chapter 07 and no
+    step (`choose_step` returns `step`), chapter 06's `Scheduler` (`build_scheduler`), one process. It reads no speed switch of chapter 07 and no
     `tensor_parallel_size` of chapter 09: they are accepted (the settings are declared once, in `EngineConfig`)
     and ignored. `minirt.Engine` and `minirt.LLM` build the full engine, which honours them: chapter 07's
-    `minirt.fast.FastEngine`, a subclass that overrides those two methods (and, for multi-step decode, uses a
-    scheduler that also grants bursts), or chapter 09's `minirt.parallel.TensorParallelEngine`.
+    `minirt.fast.FastEngine`, a subclass that overrides these three builders (for multi-step decode its scheduler also
+    grants bursts), or chapter 09's `minirt.parallel.engine.TensorParallelEngine`.
     """
 
     @takes_settings
@@ -127,7 +127,7 @@ class Engine:
         self.model_runner = self.build_model_runner()
         self.pool = BlockPool(config.num_kv_blocks)
         self.prefix_cache = PrefixCache(self.pool, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.pool, self.prefix_cache)
+        self.scheduler = self.build_scheduler()
         #: The step the loop runs, chosen once (vLLM v1's `step_fn`); `step` itself is never replaced.
         self.step_fn = self.choose_step()
         self.requests: dict[str, Request] = {}
@@ -146,6 +146,10 @@ class Engine:
         kv_cache = allocate_kv_cache(self.model.config, cfg.num_kv_blocks, cfg.block_size, self.model.dtype,
                                      self.device)
         return ModelRunner(self.model, kv_cache, cfg.block_size)
+
+    def build_scheduler(self) -> Scheduler:
+        """The scheduler over the block pool and prefix cache (chapters 05-06)."""
+        return Scheduler(self.config, self.pool, self.prefix_cache)
 
     def choose_step(self):
         """The function the loop calls for each engine step (returns False if nothing was scheduled): `step`."""

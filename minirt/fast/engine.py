@@ -33,8 +33,13 @@ class FastEngine(Engine):
         #: What runs of chapter 07's switches, resolved once before anything is loaded (`minirt.fast.plan`).
         self.plan = resolve_plan(config, resolve_device(config.device), load_config(resolve_checkpoint(model)))
         super().__init__(model, **settings)
-        if self.plan.num_scheduler_steps > 1:     # the reference's scheduler, still empty, gives way
-            self.scheduler = BurstScheduler(self.config, self.pool, self.prefix_cache, self.plan.num_scheduler_steps)
+
+    def build_scheduler(self):
+        """Chapter 06's scheduler; with multi-step decode, `BurstScheduler`, which also grants (and allocates the
+        blocks of) bursts of decode steps."""
+        if self.plan.num_scheduler_steps == 1:
+            return super().build_scheduler()
+        return BurstScheduler(self.config, self.pool, self.prefix_cache, self.plan.num_scheduler_steps)
 
     def build_model_runner(self):
         """The plan's runner (`minirt.fast.runner.build_model_runner`); chapter 05's for the reference plan."""

@@ -29,7 +29,7 @@ import triton.language as tl
 from minirt.kernels import num_sms
 
 # Defaults read by `choose_config` (powers of two; swept by lab/probes/gemv.py, checked in the engine by
-# benchmarks/kernel_choices.py): ROWS x COLS tiles for the wide matrices (q/k/v, gate/up, the LM head), one row per
+# lab/probes/kernel_choices.py): ROWS x COLS tiles for the wide matrices (q/k/v, gate/up, the LM head), one row per
 # program for the 1024-row ones (o_proj, down_proj), so that more programs than SMs run.
 ROWS, COLS = 8, 512     # a program's tile per loop step when there are enough rows: 8 KB of bf16
 MAX_BLOCK_K = 2048      # one-row programs read up to this much of their row per step

@@ -263,7 +263,7 @@ ROWS_ALL, ROWS_ONE_TOKEN, ROWS_CHUNKS = 0, 1, 2
 # Tiles by kind of launch: (BLOCK_N keys, num_warps, num_stages), and for prefill chunks BLOCK_M query rows too.
 # A decode tile holds one token's query group: rows are cheap, the keys streamed per iteration are what counts.
 # A chunk tile holds CHUNK_BLOCK_M rows, so that each K/V tile it loads serves many query rows. The sweeps behind
-# these choices: benchmarks/prefill_kernels.py (chunk tiles) and benchmarks/split_tile.py (the split-KV tile).
+# these choices: lab/probes/prefill_kernels.py (chunk tiles) and lab/probes/split_tile.py (the split-KV tile).
 DECODE_TILE = (128, 4, 2)          # one program per (sequence, KV head)
 SPLIT_TILE = (64, 8, 2)            # split-KV launches: their shares and the K/V prefetch are sized by 64 keys
 CHUNK_BLOCK_M, CHUNK_TILE = 128, (32, 4, 2)
@@ -325,7 +325,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ValueError naming split_counters if it is too small or not int32 on q's device.
     chunk_tile, chunk_block_m: the chunk launch's (BLOCK_N, num_warps, num_stages) and query rows per tile, in place
     of `CHUNK_TILE` and `CHUNK_BLOCK_M` (None; rows a power of two), so that the sweep behind those constants
-    (`benchmarks/prefill_kernels.py`) compares tilings in one process.
+    (`lab/probes/prefill_kernels.py`) compares tilings in one process.
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape

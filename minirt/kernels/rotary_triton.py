@@ -158,7 +158,7 @@ def launch_config(num_tokens: int, num_heads: int, num_kv_heads: int, head_dim: 
     programs along the tokens at least MIN_TOKEN_GROUPS: 8,192 tokens of Qwen3-0.6B take 4 tokens of 8 heads a
     program, 8 KB of bf16 in, where programs of one token's 2 KB are too small to pay for themselves. Warps: 4
     (Triton's default) for one token, else enough that each thread holds 32 of the program's values (four 16-byte
-    vectors of bf16), up to 16 (the sweep behind it: benchmarks/prefill_kernels.py).
+    vectors of bf16), up to 16 (the sweep behind it: lab/probes/prefill_kernels.py).
     tokens_per_program and num_warps override the choice (a benchmark sweeping variants in one process); both must be
     powers of two, else ValueError naming them."""
     block_h = heads_per_program(num_tokens, num_heads, num_kv_heads)

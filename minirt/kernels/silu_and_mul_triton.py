@@ -4,7 +4,7 @@
 but compiled with dynamic shapes (`minirt.fast.ops.fused`) that kernel indexes a flat range with a division by the
 row length, a number it only learns at run time, and cannot prove its loads aligned, so it moves a prefill step's
 gate and up (8,192 x 3,072 each for Qwen3-0.6B) at well under the copy bandwidth (measured by
-`benchmarks/prefill_kernels.py`). Here the row length is a compile-time constant, a program takes a tile of rows x
+`lab/probes/prefill_kernels.py`). Here the row length is a compile-time constant, a program takes a tile of rows x
 channels, and the loads and stores of each row are contiguous. vLLM runs the same op as a custom kernel (`silu_and_mul`,
 `SiluAndMul.forward_cuda`).
 """
@@ -35,7 +35,7 @@ def _silu_and_mul_kernel(Gate, Up, Out, num_rows, stride_g, stride_u, INTERMEDIA
 
 
 #: (rows, channels) per program: rows of 512 channels load as long contiguous runs, and a decode batch of a few hundred
-#: rows still makes a few hundred programs (the sweep behind it: benchmarks/prefill_kernels.py).
+#: rows still makes a few hundred programs (the sweep behind it: lab/probes/prefill_kernels.py).
 BLOCK_ROWS, BLOCK_COLS, NUM_WARPS = 4, 512, 4
 
 
