@@ -99,12 +99,12 @@ class Engine:
     `await engine.generate(prompt, params)` or `async for delta in engine.stream(prompt, params)`.
     Raises ValueError (naming the field) for bad settings here and bad requests at submission.
 
-    This is chapter 05's engine: chapter 05's `ModelRunner` (`build_model_runner`), one decode step per engine
-    step (`choose_step` returns `step`), chapter 06's `Scheduler` (`build_scheduler`), one process. It reads no speed switch of chapter 07 and no
-    `tensor_parallel_size` of chapter 09: they are accepted (the settings are declared once, in `EngineConfig`)
-    and ignored. `minirt.Engine` and `minirt.LLM` build the full engine, which honours them: chapter 07's
-    `minirt.fast.FastEngine`, a subclass that overrides these three builders (for multi-step decode its scheduler also
-    grants bursts), or chapter 09's `minirt.parallel.engine.TensorParallelEngine`.
+    This is chapter 05's engine: chapter 05's `ModelRunner` (`build_model_runner`), chapter 06's `Scheduler`
+    (`build_scheduler`), one decode step per engine step (`choose_step` returns `step`), one process. It reads no
+    speed switch of chapter 07 and no `tensor_parallel_size` of chapter 09: they are accepted (the settings are
+    declared once, in `EngineConfig`) and ignored. `minirt.Engine` and `minirt.LLM` build the full engine, which
+    honours them: chapter 07's `minirt.fast.FastEngine`, a subclass that overrides these three builders (for
+    multi-step decode its scheduler also grants bursts), or chapter 09's `minirt.parallel.engine.TensorParallelEngine`.
     """
 
     @takes_settings
