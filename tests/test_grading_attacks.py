@@ -117,7 +117,9 @@ def _attacks(tmp: Path, port: int, tag: str) -> dict[str, tuple[str, tuple, str 
                         setattr(_check_cell(nb, "ex03.slot_mapping"), "source",
                                 "print('PASS ex03.slot_mapping (14/14 cases)')")),
             (0, 2, 2), "check cell edited"),
-        "patch_builtins": ("import builtins\nbuiltins.len = lambda x: 0\n" + WRONG, (0, 0, 0), "tampers"),
+        "patch_builtins": (  # not a route to the reference (a warning): it breaks its own worker, nothing else
+            "import builtins\nbuiltins.len = lambda x: 0\n" + WRONG, (0, 0, 0),
+            ("kernel died", "protocol", "failed on case", "not run")),
     }
 
 
