@@ -26,7 +26,11 @@ MAX_NUMEL = 1 << 24
 DTYPES = {"float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool"}
 DICT_KEYS = (str, int, float, bool, type(None), tuple)
 # the only classes the worker rebuilds from the grader's inputs ("module:qualname")
-DATACLASSES = ("minirt.attention:PagedAttentionMetadata",)
+DATACLASSES = ("minirt.attention:PagedAttentionMetadata", "minirt.request:StreamDelta",
+               "minirt.request:RequestOutput", "minirt.request:RequestMetrics")
+# torch modules the worker rebuilds from the grader's inputs: their constructor arguments and their tensors
+MODULES = {"torch.nn:Linear": (("in_features", "out_features"), ("weight", "bias")),
+           "torch.nn:Embedding": (("num_embeddings", "embedding_dim"), ("weight",))}
 
 
 class Opaque:
@@ -71,6 +75,14 @@ def encode(x: Any, depth: int = 0) -> Any:
         return {"$dict": [[encode(k, depth + 1), encode(v, depth + 1)] for k, v in x.items()]}
     cls = type(x)
     name = f"{cls.__module__}:{cls.__qualname__}"
+    if type(x) in (torch.nn.Linear, torch.nn.Embedding):
+        name = f"torch.nn:{cls.__name__}"
+        args, tensors = MODULES[name]
+        kw = {a: int(getattr(x, a)) for a in args}
+        if name == "torch.nn:Linear":
+            kw["bias"] = x.bias is not None
+        return {"$module": name, "args": kw,
+                "tensors": {t: encode(getattr(x, t).detach(), depth + 1) for t in tensors if getattr(x, t) is not None}}
     if dataclasses.is_dataclass(x) and name in DATACLASSES:
         return {"$dataclass": name, "fields": {f.name: encode(getattr(x, f.name), depth + 1)
                                                for f in dataclasses.fields(x)}}
@@ -117,7 +129,7 @@ def decode(x: Any, device=None, rebuild: bool = False, depth: int = 0) -> Any:
         return x
     if isinstance(x, list):
         return [decode(v, device, rebuild, depth + 1) for v in x]
-    if not isinstance(x, dict) or len(x) not in (1, 2):
+    if not isinstance(x, dict) or len(x) not in (1, 2, 3):
         raise ValueError(f"not an encoded value: {type(x).__name__}")
     if "$dict" in x and not (isinstance(x["$dict"], list) and all(isinstance(kv, list) and len(kv) == 2
                                                                   for kv in x["$dict"])):
@@ -138,10 +150,23 @@ def decode(x: Any, device=None, rebuild: bool = False, depth: int = 0) -> Any:
         return out
     if "$opaque" in x:
         return Opaque(str(x["$opaque"])[:100], str(x.get("repr", ""))[:300])
+    if "$module" in x and rebuild and x["$module"] in MODULES and set(x) == {"$module", "args", "tensors"}:
+        return _module(x, device, depth)
     if "$dataclass" in x and rebuild and x["$dataclass"] in DATACLASSES:
         cls = pkgutil.resolve_name(x["$dataclass"])
         return cls(**{k: decode(v, device, rebuild, depth + 1) for k, v in x["fields"].items()})
     raise ValueError(f"not an encoded value: keys {sorted(map(str, x))[:4]}")
+
+
+def _module(x: dict, device, depth: int) -> torch.nn.Module:
+    """An nn.Linear / nn.Embedding as the grader built it: constructed from its arguments, its tensors copied in,
+    no gradients (as the checks make them)."""
+    cls = pkgutil.resolve_name(x["$module"])
+    module = cls(**x["args"]).requires_grad_(False)
+    with torch.no_grad():
+        for name, value in x["tensors"].items():
+            getattr(module, name).copy_(decode(value, None, True, depth + 1))
+    return module.to(device) if device is not None else module
 
 
 def _plain_key(key: Any) -> bool:
