@@ -514,9 +514,10 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
                 notes[task] = (f"timed out (a cell ran over {cell_timeout:g} s)" if why == "timeout" else
                                f"the task's function could not be taken: {str(msg['error'])[:150]}"
                                + (f" (a cell before failed: {why[:200]})" if why else ""))
-            elif (found := provenance.judge_identity(msg.get("identity"), task)):
-                notes[task] = found
             else:
+                found = provenance.judge_identity(msg.get("identity"), task)   # the worker's word: a hint only
+                if found and found not in warnings:
+                    warnings.append(found)
                 ok, note = _judge_task(conn, task, expectations, min(cell_timeout, max(0.0, wall - time.monotonic())))
                 if ok:
                     scores[task] = points[task]
