@@ -325,7 +325,7 @@ def _is_text(x, limit: int = 1 << 20) -> bool:
 def valid_event(msg: dict) -> bool:
     """Whether a worker's event has exactly the fields and types of the protocol (`minirt.course.worker`)."""
     event = msg.get("event")
-    if event == "done":
+    if event in ("done", "ready"):
         return set(msg) == {"event"}
     if event == "cell":
         return set(msg) == {"event", "index", "error"} and type(msg["index"]) is int and \
@@ -467,11 +467,38 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
             found = provenance.scan(sources, s.task, arg if arg and arg.isidentifier() else None)
             if found:
                 notes[s.task] = found
+    last = None
+    for attempt in range(START_ATTEMPTS):         # the sandbox failing to start is the grader's fault: try again
+        try:
+            return _run_worker(plan, task_specs, expectations, sandbox, slot, cell_timeout, wall_timeout,
+                               limits or Limits(), output_limit, holder, start, scores, notes, warnings)
+        except InfrastructureError as e:
+            last = e
+            time.sleep(1.0 + attempt)
+    for s in task_specs:
+        notes.setdefault(s.task, "not run: the grader's sandbox failed (not your fault; grade it again)")
+    return RunResult(scores, notes, f"grader error: the worker could not start ({str(last)[:200]})",
+                     time.monotonic() - start, "", warnings)
+
+
+class InfrastructureError(Exception):
+    """The worker could not start, or died before it was ready (before any of the submission's code ran)."""
+
+
+START_ATTEMPTS = 2
+
+
+def _run_worker(plan, task_specs, expectations, sandbox, slot, cell_timeout, wall_timeout, limits, output_limit,
+                holder, start, scores, notes, warnings) -> RunResult:
+    from minirt.course import provenance
+    from minirt.course.sandbox import Worker
+
+    notes, scores = dict(notes), dict(scores)
+    points = {s.task: s.points for s in task_specs}
     try:
-        worker = Worker(sandbox, slot, limits or Limits(), json.dumps(plan).encode())
-    except OSError as e:
-        notes.update({s.task: notes.get(s.task, f"not run: the worker could not start ({e})") for s in task_specs})
-        return RunResult(scores, notes, "could not start", time.monotonic() - start, "", warnings)
+        worker = Worker(sandbox, slot, limits, json.dumps(plan).encode())
+    except OSError as e:                          # ENOSPC, EMFILE, ... on the grader's side
+        raise InfrastructureError(f"{type(e).__name__}: {e}") from None
     if holder is not None:
         holder["worker"] = worker
     conn = Connection(worker, output_limit)
@@ -479,9 +506,12 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
     status = "finished"
     reached: set[str] = set()
     cell_error = None                                           # the last failed cell since the last check
+    ready = False
     try:
         while True:
             msg = conn.recv(min(wall, time.monotonic() + cell_timeout + GRACE))
+            if msg is None and not ready and conn.broken in ("died", "timeout"):
+                raise InfrastructureError(bytes(conn.log[-300:]).decode("utf-8", "replace").strip() or conn.broken)
             if msg is None:
                 status = ("wall timeout" if time.monotonic() >= wall else
                           BROKEN_STATUS.get(conn.broken or "", "worker died"))
@@ -490,6 +520,12 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
                 status = "protocol broken"
                 break
             event = msg.get("event")
+            if event == "ready":
+                ready = True
+                continue
+            if not ready:
+                status = "protocol broken"
+                break
             if event == "done":
                 break
             if event == "cell":

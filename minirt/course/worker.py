@@ -6,7 +6,8 @@ argument (the task's function or class, e.g. `slot_mapping`), tells the grader, 
 calls until told to go on:
 
     grader -> worker   {"op": "case", "inputs": <wire value>, "time_left": s}  |  {"op": "next"}
-    worker -> grader   {"event": "cell", "index": i, "error": str | None}
+    worker -> grader   {"event": "ready"}   (once, before the first cell: the sandbox started)
+                       {"event": "cell", "index": i, "error": str | None}
                        {"event": "task", "task": "ex03.slot_mapping", "error": str | None, "identity": {...}}
                        {"kind": "ok", "value": <wire value>, "printed": str}   (one per "case")
                        {"kind": "raised", "type": "builtins.ValueError", "mro": [...], "message": str, "printed": str}
@@ -285,6 +286,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGALRM, _on_alarm)
     tools = Tools()
     shell = _shell()
+    chan.send({"event": "ready"})                 # before any of the submission's code: the sandbox started
     timeout = float(plan["cell_timeout"])
     for i, cell in enumerate(plan["cells"]):
         task = cell.get("task")
