@@ -1426,6 +1426,109 @@ REFERENCE_NAMES: dict[str, tuple[str, ...]] = {
     "ex09.row_parallel": ("minirt.parallel.sharding:RowParallelLinear",),
     "ex09.vocab_parallel_embedding": ("minirt.parallel.sharding:VocabParallelEmbedding",),
 }
+
+# ============================================================================== seeded extra cases (the grader's)
+
+
+def _seeded(k: int, make: Callable[[], Any], show: str) -> Case:
+    return Case(f"seeded case {k}", make, show)
+
+
+def _extra_slot_mapping(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 5):
+        B, n = rng.choice([1, 2, 3, 4, 8, 16]), rng.randint(1, 8)
+        table = rng.sample(range(64), n)
+        end = rng.randint(0, n * B)
+        start = rng.randint(0, end)
+        out.append(_seeded(k, lambda t=table, s=start, e=end, b=B: (list(t), s, e, b),
+                           f"block_table={table}, start={start}, end={end}, block_size={B}"))
+    return out
+
+
+def _extra_split_budget(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 5):
+        budget, decodes, cap = rng.randint(1, 200), rng.randint(0, 20), rng.randint(1, 64)
+        remaining = [rng.randint(0, 100) for _ in range(rng.randint(0, 6))]
+        out.append(_seeded(k, lambda b=budget, d=decodes, r=remaining, c=cap: (b, d, list(r), c),
+                           f"budget={budget}, num_decodes={decodes}, remaining_prompts={remaining}, "
+                           f"max_prefill_chunk={cap}"))
+    return out
+
+
+def _extra_block_hashes(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 4):
+        tokens, B = [rng.randrange(1000) for _ in range(rng.randint(0, 40))], rng.randint(1, 8)
+        n = rng.choice([None, rng.randint(0, 5)])
+        out.append(_seeded(k, lambda t=tokens, b=B, m=n: (list(t), b, m),
+                           f"token_ids={_short(tokens, 100)}, block_size={B}, num_blocks={n}"))
+    return out
+
+
+def _extra_left_pad(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 4):
+        prompts = [[rng.randrange(100) for _ in range(rng.randint(1, 10))] for _ in range(rng.randint(1, 5))]
+        pad = rng.randint(0, 50)
+        out.append(_seeded(k, lambda p=prompts, q=pad: (copy.deepcopy(p), q), f"prompts={_short(prompts, 120)}, pad_id={pad}"))
+    return out
+
+
+def _extra_capture_sizes(rng: random.Random) -> list[Case]:
+    return [_seeded(k, lambda n=n: (n,), f"max_num_seqs={n}") for k, n in
+            enumerate(sorted(rng.sample(range(1, 600), 4)), 1)]
+
+
+def _extra_admission(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 4):
+        m = rng.randint(1, 300)
+        w, d = rng.randint(0, 2 * m), rng.random() < 0.3
+        out.append(_seeded(k, lambda w=w, m=m, d=d: (w, m, d), f"num_waiting={w}, max_waiting={m}, draining={d}"))
+    return out
+
+
+def _extra_goodput(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 3):
+        results, duration = _results(rng.randrange(10**6), rng.randint(1, 60)), round(rng.uniform(0.5, 30), 2)
+        ttft, tpot = round(rng.uniform(0.05, 0.6), 3), round(rng.uniform(0.005, 0.09), 4)
+        out.append(_seeded(k, lambda r=results, d=duration, a=ttft, b=tpot: ([dict(x) for x in r], d, a, b),
+                           f"{len(results)} results {_short(results, 160)}, duration_s={duration}, "
+                           f"ttft_slo_s={ttft}, tpot_slo_s={tpot}"))
+    return out
+
+
+def _extra_greedy_next_token(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 3):
+        B, V, seed = rng.randint(1, 16), rng.randint(2, 200), rng.randrange(10**6)
+        out.append(_seeded(k, lambda B=B, V=V, seed=seed: (_randn(B, V, seed=seed),), f"logits [{B}, {V}] random"))
+    return out
+
+
+#: task -> cases the grader adds, drawn from a seed the students do not have (`python -m minirt grade --seed`):
+#: a table of the public cases' answers no longer scores. The notebook's check cell runs the public cases only.
+EXTRA_CASES: dict[str, Callable[[random.Random], list[Case]]] = {
+    "ex01.greedy_next_token": _extra_greedy_next_token,
+    "ex02.left_pad": _extra_left_pad,
+    "ex03.slot_mapping": _extra_slot_mapping,
+    "ex04.block_hashes": _extra_block_hashes,
+    "ex06.split_budget": _extra_split_budget,
+    "ex07.capture_sizes": _extra_capture_sizes,
+    "ex08.admission": _extra_admission,
+    "ex08.goodput": _extra_goodput,
+}
+
+
+def extra_cases(task_id: str, seed: int) -> list[Case]:
+    """The seeded extra cases of a task (none for a task without a generator)."""
+    make = EXTRA_CASES.get(task_id)
+    return make(random.Random(f"{seed}:{task_id}")) if make else []
+
+
 __all__ = ["CheckFailed", "Case", "REFERENCE_NAMES", "RemoteError", "SPECS", "Spec", "TASKS", "compare",
            "reference_outcome", "SimulatedAllReduce", "ToyTokenizer", "device", "run_check", "simulate_ranks", "tiny_model",
            *(name.replace(".", "_") for name in TASKS)]

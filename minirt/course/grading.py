@@ -219,9 +219,10 @@ class Expectations:
     process and shared by all submissions (and threads); with each task the cap on one answer's size (bytes):
     `MIN_REPLY_CAP`, or four times the task's largest expected answer when that is more."""
 
-    def __init__(self):
+    def __init__(self, seed: int | None = None):
         self._lock = threading.Lock()
         self._tasks: dict[str, tuple] = {}
+        self.seed = seed                  # of the seeded extra cases (`checks.EXTRA_CASES`); None: public cases only
 
     def get(self, task: str):
         from minirt.course import checks, wire
@@ -229,9 +230,10 @@ class Expectations:
         with self._lock:
             if task not in self._tasks:
                 spec = checks.SPECS[task]()
+                cases = spec.cases + (checks.extra_cases(task, self.seed) if self.seed is not None else [])
                 with checks._quiet(), torch_fork_rng():
                     rows = [(case, checks.reference_outcome(spec, case), wire.encode(case.make()))
-                            for case in spec.cases]
+                            for case in cases]
                 largest = max([len(wire.dumps(wire.encode(e[1]))) for _, e, _ in rows if e[0] == "ok"] or [0])
                 self._tasks[task] = (spec, rows, max(MIN_REPLY_CAP, 4 * largest))
             return self._tasks[task]
@@ -589,13 +591,15 @@ def _run_worker(plan, task_specs, expectations, sandbox, slot, cell_timeout, wal
 
 def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFAULT_CELL_TIMEOUT,
           wall_timeout: float = DEFAULT_WALL_TIMEOUT, solutions_dir: str | os.PathLike | None = None,
-          verbose: bool = True, sandbox: str = "auto", jobs: int = 1, limits=None) -> list[dict]:
+          verbose: bool = True, sandbox: str = "auto", jobs: int = 1, limits=None,
+          seed: int | None = None) -> list[dict]:
     """Grade each submission; returns one row per submission and writes `out_csv` when given.
 
     A row: {"submission", "exercise", "scores": {task: points}, "total", "max", "notes": {task: reason},
     "seconds", "status", "sandbox"}. `timeout` is per cell (and per task's check), `wall_timeout` per
     notebook (seconds). `sandbox` is auto, bwrap, user or none (see `minirt.course.sandbox`); `jobs`
-    submissions run at a time.
+    submissions run at a time. `seed` draws the grader's extra cases (`checks.EXTRA_CASES`; None: the public
+    cases only); it is written beside the CSV as `<out>.seed`.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -607,8 +611,10 @@ def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFA
         print(f"warning: grading with sandbox {kind!r}: " + (
             "an unprivileged user with resource limits; the file system is not hidden from submissions"
             if kind == "user" else "no isolation at all, resource limits only"), file=sys.stderr, flush=True)
-    expectations = Expectations()
+    expectations = Expectations(seed)
     paths = [Path(p) for p in paths]
+    if out_csv is not None and seed is not None:
+        Path(f"{out_csv}.seed").write_text(f"{seed}\n")
     slots = list(range(max(1, min(int(jobs), sandboxes.MAX_SLOTS))))
     free, spare = list(slots), list(range(len(slots), sandboxes.MAX_SLOTS))
     lock = threading.Lock()
@@ -839,6 +845,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="where submissions run: bwrap (bubblewrap), user (an unprivileged uid), none; "
                         "auto (default) takes the first that works")
     p.add_argument("--jobs", type=int, default=1, help="submissions graded at a time (default 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the grader's extra cases, which students do not have (default: a fresh random one, "
+                        "printed and written to OUT.seed)")
     return p
 
 
@@ -860,9 +869,12 @@ def run(args) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    seed = getattr(args, "seed", None)
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     rows = grade(args.submissions, args.out, args.timeout, args.wall_timeout, args.solutions,
-                 sandbox=getattr(args, "sandbox", "auto"), jobs=getattr(args, "jobs", 1))
+                 sandbox=getattr(args, "sandbox", "auto"), jobs=getattr(args, "jobs", 1), seed=seed)
     print(format_table(rows, specs))
+    print(f"seed of the extra cases: {seed}" + (f" (in {args.out}.seed)" if args.out else ""))
     if args.out:
         print(f"\nwrote {args.out}")
     return 0
