@@ -38,6 +38,14 @@ ROUTES = {   # name -> (task attacked, the cell that replaces its solution)
     "magic": (SPLIT, "%%capture\nfrom minirt.scheduler import split_budget\n"),
     "forged_identity": (SPLIT, "import minirt.course.worker as _w\n_w.identity = lambda obj, task: None\n"
                                "from minirt.scheduler import split_budget\n"),
+    "forked_helper": (SPLIT, (  # a process forked before the cases start would keep an unblocked reference
+        "import os, pickle, minirt.scheduler as _s\n_r1, _w1 = os.pipe()\n_r2, _w2 = os.pipe()\n"
+        "if os.fork() == 0:\n    try:\n        while True:\n            _n = int.from_bytes(os.read(_r1, 4), 'little')\n"
+        "            _out = pickle.dumps(_s.split_budget(*pickle.loads(os.read(_r1, _n))))\n"
+        "            os.write(_w2, len(_out).to_bytes(4, 'little') + _out)\n    finally:\n        os._exit(0)\n"
+        "os.close(_r1)\nos.close(_w2)\n\ndef split_budget(*args):\n    _b = pickle.dumps(args)\n"
+        "    os.write(_w1, len(_b).to_bytes(4, 'little') + _b)\n    _n = int.from_bytes(os.read(_r2, 4), 'little')\n"
+        "    return pickle.loads(os.read(_r2, _n))\n")),
     "drive_object_method": (SCHEDULE, "schedule = lambda s: s.schedule()\n"),
     "drive_object_method_in_def": (SCHEDULE, "def schedule(scheduler):\n    return type(scheduler).schedule(scheduler)\n"),
 }
@@ -65,7 +73,9 @@ def test_the_reference_is_unreachable_while_grading(tmp_path, monkeypatch):
     for name, (task, _) in ROUTES.items():
         r = rows[name]
         other = SCHEDULE if task == SPLIT else SPLIT
-        if r["scores"][task] != 0 or r["scores"][other] != (3.0 if other == SCHEDULE else 1.0) or \
-                "minirt's own implementation" not in r["notes"].get(task, ""):
+        words = "failed on case" if name == "forked_helper" else "minirt's own implementation"
+        full = 0.0 if name == "forked_helper" else 3.0 if other == SCHEDULE else 1.0   # its schedule calls it
+        if r["scores"][task] != 0 or r["scores"][other] != full or \
+                words not in r["notes"].get(task, ""):
             wrong[name] = (r["scores"], r["notes"].get(task, "")[:200], r["status"])
     assert wrong == {}, wrong

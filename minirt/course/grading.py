@@ -1,5 +1,5 @@
 """Grade submitted exercise notebooks: `python -m minirt grade SUBMISSIONS... [--out grades.csv] [--jobs N]
-[--sandbox auto|bwrap|user|none]`.
+[--sandbox auto|bwrap|user|none] [--seed N]`.
 
 Verdicts are decided here, not in the student's process. Each submission runs in a worker
 (`minirt.course.worker`) inside a sandbox (`minirt.course.sandbox`: bubblewrap where it works, else an
@@ -18,11 +18,17 @@ and its own `minirt`: the tasks, their points and the source of every check cell
   the `checks.ex03_slot_mapping(` call in its source. If its source differs from the solution's (compared
   by a SHA-256 of the source with trailing whitespace removed), the task scores 0: "check cell edited"
   (the edited cell then runs as an ordinary cell). A missing check cell scores 0 as well.
-* A graded function or class that is minirt's own implementation, or calls it, scores 0
-  (`minirt.course.provenance` says what is and is not caught).
+* A graded function or class that is minirt's own implementation, or calls it, scores 0: the worker makes the
+  task's reference raise while the student's code runs, and the source screen adds notes and warnings
+  (`minirt.course.provenance` says what is and is not caught). Warnings cost no point (a column of the CSV).
 * A submission that raises, hangs (interrupted after `--timeout` seconds; a worker that does not stop is
-  killed), kills its worker (the tasks after it score 0), or floods its output (its worker is stopped after
-  16 MB) loses only its own points; the other submissions are graded normally.
+  killed), kills its worker (the tasks after it score 0), floods its output (its worker is stopped after
+  16 MB), sends an answer over the cap or a message outside the protocol, loses only its own points; the
+  other submissions are graded normally. Each submission is graded inside `try/except BaseException` under a
+  watchdog: a failure of the grader itself is a row "grader error: ..." and the run goes on; a sandbox that
+  cannot start is tried again once. Rows are appended to the CSV as they are graded.
+* Besides the public cases of the check cells, tasks with a generator in `checks.EXTRA_CASES` are graded on
+  extra cases drawn from `--seed` (default: a random one, written to OUT.seed).
 
 The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)` runs them standalone.
 """

@@ -1,23 +1,28 @@
 """Is a graded function minirt's own? Handing in (or calling) the package's reference is not a solution.
 
-Two looks, both decided in the grader's process (`checks.REFERENCE_NAMES` lists each task's reference):
+What enforces it is the worker (`minirt.course.worker.block_references`): while the student's code answers a
+task's cases, the reference of that task raises wherever it is held, and the grader scores the task 0. This
+module reads the notebook's source in the grader's process (with `ast`, after IPython's own transformation of
+magics, never running or importing anything it names) for notes and hints on top of that:
 
-* `scan(sources, task, name)` reads the submission's code cells with `ast`, never running them. It flags
+* `scan(sources, task, name)` zeroes the task for a route to its reference found in the source:
   - an import that binds the reference (`from minirt.kv.paged_cache import slot_mapping`, a re-export such as
-    `from minirt.kv import BlockPool`, an alias), resolved by identity in the grader's own `minirt`;
+    `from minirt.kv import BlockPool`, an alias), resolved by identity among the modules the grader has loaded;
   - a dotted name that reaches it from a minirt import (`minirt.kv.paged_cache.slot_mapping`,
     `Scheduler.schedule` after `from minirt.scheduler import Scheduler`);
   - inside the graded definition itself, a call of a method of the reference's name (`scheduler.schedule()`
     in `schedule`, `cache.match(...)` in `match`);
-  - a string equal to the reference's name, or `sys.modules` / `importlib` / `__import__` / `pkgutil`, in any
-    code cell (how a submission finds the reference without naming it: `getattr(module, "slot_" + ...)` is
-    still caught by the worker's report).
-* `judge_identity(info, task)` reads what the worker reported about the object it took: its module and
-  qualname, its bases, and which of the task's references its globals or closure hold.
+  - the reference's name in a string handed to import or attribute machinery (`getattr(m, "slot_mapping")`,
+    `import_module`, `attrgetter`, ...); a string printed or compared is nobody's business.
+* `screen(sources)` zeroes every task for a route into the grading machinery (the grader's modules, the checks'
+  internals, patching anything imported from minirt) and returns the rest as warnings: reflection, code built
+  at run time, magics, a cell too deep to read. Warnings cost no point.
+* `judge_identity(info, task)` reads what the worker reported about the object it took; the worker runs the
+  student's code, so its report is a warning only.
 
-What it does not catch: the reference's source copied by hand under another name, code built at run time from
-text (`exec` of an encoded string) by a worker that also lies in its report, and a hard-coded table of the
-(public) cases' answers. The sandbox keeps the solutions out of reach; the cases stay public by design.
+What none of this catches: the reference's source copied by hand under another name, and a helper process forked
+before the task's cases start (it keeps an unblocked copy of the reference). A table of the public cases' answers
+fails the grader's seeded extra cases (`checks.EXTRA_CASES`) for the tasks that have them.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ calls until told to go on:
                        {"kind": "ok", "value": <wire value>, "printed": str}   (one per "case")
                        {"kind": "raised", "type": "builtins.ValueError", "mro": [...], "message": str, "printed": str}
                        {"kind": "not_implemented" | "timeout"}
+                       {"kind": "blocked", "printed": ""}   (the student's code reached minirt's reference)
                        {"event": "done"}
 
 A case applies the task's driver (`checks.SPECS[task]().run`, default `f(*inputs)`) to the inputs the grader
@@ -82,6 +83,7 @@ def block_references(task: str) -> list[tuple[types.FunctionType, types.CodeType
     from minirt.course import provenance
 
     builtins.__minirt_reference_blocked__ = ReferenceBlocked
+    _kill_helpers()
     funcs = [f for ref in provenance.reference_objects(task) for f in _functions_of(ref)]
     originals = [f.__code__ for f in funcs]
     for o in gc.get_objects():
@@ -97,6 +99,18 @@ def block_references(task: str) -> list[tuple[types.FunctionType, types.CodeType
         f.__code__ = _blocked_code(len(code.co_freevars))
         saved.append((f, code))
     return saved
+
+
+def _kill_helpers() -> None:
+    """Kill every other process of this worker's unprivileged uid (a helper the notebook forked earlier would
+    keep an unblocked copy of the reference). Only in a sandbox's own uid: as any other user this does nothing."""
+    from minirt.course.sandbox import BASE_UID
+
+    if os.getuid() >= BASE_UID and os.geteuid() >= BASE_UID:
+        try:
+            os.kill(-1, signal.SIGKILL)         # every process this uid may signal, never this one or init
+        except OSError:
+            pass
 
 
 def unblock(saved: list[tuple[types.FunctionType, types.CodeType]]) -> None:
