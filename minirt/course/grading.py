@@ -236,7 +236,7 @@ class Expectations:
         with self._lock:
             if task not in self._tasks:
                 spec = checks.SPECS[task]()
-                cases = spec.cases + (checks.extra_cases(task, self.seed) if self.seed is not None else [])
+                cases = spec.cases + (checks.extra_cases(task, self.seed, spec) if self.seed is not None else [])
                 with checks._quiet(), torch_fork_rng():
                     rows = [(case, checks.reference_outcome(spec, case), wire.encode(case.make()))
                             for case in cases]
