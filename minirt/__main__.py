@@ -1,5 +1,9 @@
-"""`python -m minirt demo | generate` - the command-line entry points (see `minirt.cli`)."""
+"""`python -m minirt demo | generate | serve | grade | ...` - the command-line entry points (see `minirt.cli`).
 
-from minirt.cli import main
+Guarded: importing this module (as a submission's `import minirt.__main__` would) runs nothing.
+"""
 
-raise SystemExit(main())
+if __name__ == "__main__":
+    from minirt.cli import main
+
+    raise SystemExit(main())

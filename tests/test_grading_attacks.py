@@ -117,7 +117,9 @@ def _attacks(tmp: Path, port: int, tag: str) -> dict[str, tuple[str, tuple, str 
                         setattr(_check_cell(nb, "ex03.slot_mapping"), "source",
                                 "print('PASS ex03.slot_mapping (14/14 cases)')")),
             (0, 2, 2), "check cell edited"),
-        "patch_builtins": ("import builtins\nbuiltins.len = lambda x: 0\n" + WRONG, (0, 0, 0), "tampers"),
+        "patch_builtins": (  # not a route to the reference (a warning): it breaks its own worker, nothing else
+            "import builtins\nbuiltins.len = lambda x: 0\n" + WRONG, (0, 0, 0),
+            ("kernel died", "protocol", "failed on case", "not run")),
     }
 
 
@@ -200,7 +202,7 @@ _git_status_before = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, 
 def test_verdicts_hold_without_the_ast_screen(tmp_path, monkeypatch):
     """With the AST screens switched off, patching the checks inside the worker still scores nothing: the
     worker's grading functions are taken before the notebook runs and the comparison is the grader's."""
-    monkeypatch.setattr(provenance, "tampering", lambda sources: None)
+    monkeypatch.setattr(provenance, "screen", lambda sources: (None, []))
     monkeypatch.setattr(provenance, "scan", lambda sources, task, name: None)
     forge = ("import builtins, minirt.course.checks as _c\nfrom minirt.kv.paged_cache import slot_mapping as _r\n"
              "_c.ex03_slot_mapping = lambda fn: print('PASS ex03.slot_mapping (14/14 cases)')\n"

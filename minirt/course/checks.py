@@ -223,6 +223,7 @@ class Spec:
     reference: Callable
     cases: list[Case]
     run: Callable[[Callable, Any], Any] | None = None
+    extra: Callable[[random.Random], list[Case]] | None = None   # the grader's seeded cases (`extra_cases`)
 
 
 def apply(spec: Spec) -> Callable[[Callable, Any], Any]:
@@ -451,7 +452,9 @@ def ex01_naive_generate() -> Spec:
         case("empty prompt -> ValueError", [], 4),
         case("max_new_tokens=0 -> ValueError", p[2], 0),
     ]
-    return Spec(reference, cases, run=lambda f, inputs: f(model, *inputs))
+    extra = lambda rng: [case(f"seeded case {k}", _prompts(rng.randrange(10**6), [rng.randint(1, 30)])[0],  # noqa: E731
+                              rng.randint(1, 10)) for k in (1, 2)]
+    return Spec(reference, cases, run=lambda f, inputs: f(model, *inputs), extra=extra)
 
 
 # ============================================================================== ex02: the KV cache
@@ -515,7 +518,10 @@ def ex02_kv_cache_generate() -> Spec:
         case("an empty prompt -> ValueError", [[1, 2], []], 3),
         case("max_new_tokens=0 -> ValueError", _prompts(39, [3]), 0),
     ]
-    return Spec(reference, cases, run=lambda f, inputs: f(model, *inputs))
+    extra = lambda rng: [case(f"seeded case {k}", _prompts(rng.randrange(10**6),  # noqa: E731
+                                                          [rng.randint(1, 20) for _ in range(rng.randint(1, 4))]),
+                              rng.randint(1, 8)) for k in (1, 2)]
+    return Spec(reference, cases, run=lambda f, inputs: f(model, *inputs), extra=extra)
 
 
 # ============================================================================== ex03: paged blocks
@@ -632,7 +638,9 @@ def ex03_block_pool() -> Spec:
         case("release of a never-allocated block raises RuntimeError", 3, [(R, 2)]),
         case("num_blocks=0 raises ValueError", 0, []),
     ] + [case(f"random ops #{k}", nb, random_ops(500 + k, nb, 40)) for k, nb in enumerate([2, 5, 8, 16])]
-    return Spec(reference, cases, run=drive)
+    extra = lambda rng: [case(f"seeded case {k}", nb, random_ops(rng.randrange(10**6), nb, 40))  # noqa: E731
+                         for k, nb in enumerate(rng.sample(range(1, 17), 3), 1)]
+    return Spec(reference, cases, run=drive, extra=extra)
 
 
 def _paged_inputs(seed: int, seqs: list[tuple[int, int]], B: int, H: int, Hkv: int, D: int,
@@ -692,7 +700,15 @@ def ex03_paged_attention() -> Spec:
         case("bfloat16", [(9, 1), (12, 12), (7, 3)], dtype=torch.bfloat16, seed=14),
         case("float16", [(20, 4), (5, 1)], dtype=torch.float16, seed=15),
     ]
-    return Spec(reference, cases)
+    def extra(rng):
+        out = []
+        for k in (1, 2, 3):
+            seqs = [(c, rng.randint(1, c)) for c in (rng.randint(1, 40) for _ in range(rng.randint(1, 4)))]
+            Hkv = rng.choice([1, 2, 4])
+            out.append(case(f"seeded case {k}", seqs, B=rng.choice([1, 4, 16]), H=Hkv * rng.choice([1, 2]), Hkv=Hkv,
+                            D=rng.choice([8, 16]), seed=rng.randrange(10**6)))
+        return out
+    return Spec(reference, cases, extra=extra)
 
 
 # ============================================================================== ex04: the prefix cache
@@ -1095,7 +1111,13 @@ def ex06_schedule() -> Spec:
              [(2 * i, f"r{i}", p, 1 + i % 4) for i, p in enumerate(prompts(8, 1, 40))],
              max_num_batched_tokens=24, max_prefill_chunk=16, num_kv_blocks=40),
     ]
-    return Spec(lambda sched: sched.schedule(), cases, run=drive)
+    def extra(rng):
+        def arrivals():
+            return [(rng.randint(0, 6), f"r{i}", [rng.randrange(1000) for _ in range(rng.randint(1, 30))],
+                     rng.randint(1, 5)) for i in range(rng.randint(1, 6))]
+        return [case(f"seeded case {k}", arrivals(), max_num_batched_tokens=rng.randint(4, 40),
+                     max_prefill_chunk=rng.randint(2, 16), num_kv_blocks=rng.randint(24, 64)) for k in (1, 2)]
+    return Spec(lambda sched: sched.schedule(), cases, run=drive, extra=extra)
 
 
 # ============================================================================== ex07: making it fast
@@ -1152,7 +1174,9 @@ def ex07_combine_splits() -> Spec:
         case("large scores (exp would overflow without the max)", (2, 2), 20, 4, scale=60.0, seed=7),
         case("no leading dims", (), 12, 3, seed=8),
     ]
-    return Spec(reference, cases)
+    extra = lambda rng: [case(f"seeded case {k}", tuple(rng.randint(1, 3) for _ in range(rng.randint(0, 2))),  # noqa: E731
+                              rng.randint(1, 40), rng.randint(1, 6), seed=rng.randrange(10**6)) for k in (1, 2)]
+    return Spec(reference, cases, extra=extra)
 
 
 # ============================================================================== ex08: serving
@@ -1426,6 +1450,112 @@ REFERENCE_NAMES: dict[str, tuple[str, ...]] = {
     "ex09.row_parallel": ("minirt.parallel.sharding:RowParallelLinear",),
     "ex09.vocab_parallel_embedding": ("minirt.parallel.sharding:VocabParallelEmbedding",),
 }
+
+# ============================================================================== seeded extra cases (the grader's)
+
+
+def _seeded(k: int, make: Callable[[], Any], show: str) -> Case:
+    return Case(f"seeded case {k}", make, show)
+
+
+def _extra_slot_mapping(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 5):
+        B, n = rng.choice([1, 2, 3, 4, 8, 16]), rng.randint(1, 8)
+        table = rng.sample(range(64), n)
+        end = rng.randint(0, n * B)
+        start = rng.randint(0, end)
+        out.append(_seeded(k, lambda t=table, s=start, e=end, b=B: (list(t), s, e, b),
+                           f"block_table={table}, start={start}, end={end}, block_size={B}"))
+    return out
+
+
+def _extra_split_budget(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 5):
+        budget, decodes, cap = rng.randint(1, 200), rng.randint(0, 20), rng.randint(1, 64)
+        remaining = [rng.randint(0, 100) for _ in range(rng.randint(0, 6))]
+        out.append(_seeded(k, lambda b=budget, d=decodes, r=remaining, c=cap: (b, d, list(r), c),
+                           f"budget={budget}, num_decodes={decodes}, remaining_prompts={remaining}, "
+                           f"max_prefill_chunk={cap}"))
+    return out
+
+
+def _extra_block_hashes(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 4):
+        tokens, B = [rng.randrange(1000) for _ in range(rng.randint(0, 40))], rng.randint(1, 8)
+        n = rng.choice([None, rng.randint(0, 5)])
+        out.append(_seeded(k, lambda t=tokens, b=B, m=n: (list(t), b, m),
+                           f"token_ids={_short(tokens, 100)}, block_size={B}, num_blocks={n}"))
+    return out
+
+
+def _extra_left_pad(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 4):
+        prompts = [[rng.randrange(100) for _ in range(rng.randint(1, 10))] for _ in range(rng.randint(1, 5))]
+        pad = rng.randint(0, 50)
+        out.append(_seeded(k, lambda p=prompts, q=pad: (copy.deepcopy(p), q), f"prompts={_short(prompts, 120)}, pad_id={pad}"))
+    return out
+
+
+def _extra_capture_sizes(rng: random.Random) -> list[Case]:
+    return [_seeded(k, lambda n=n: (n,), f"max_num_seqs={n}") for k, n in
+            enumerate(sorted(rng.sample(range(1, 600), 4)), 1)]
+
+
+def _extra_admission(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 4):
+        m = rng.randint(1, 300)
+        w, d = rng.randint(0, 2 * m), rng.random() < 0.3
+        out.append(_seeded(k, lambda w=w, m=m, d=d: (w, m, d), f"num_waiting={w}, max_waiting={m}, draining={d}"))
+    return out
+
+
+def _extra_goodput(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 3):
+        results, duration = _results(rng.randrange(10**6), rng.randint(1, 60)), round(rng.uniform(0.5, 30), 2)
+        ttft, tpot = round(rng.uniform(0.05, 0.6), 3), round(rng.uniform(0.005, 0.09), 4)
+        out.append(_seeded(k, lambda r=results, d=duration, a=ttft, b=tpot: ([dict(x) for x in r], d, a, b),
+                           f"{len(results)} results {_short(results, 160)}, duration_s={duration}, "
+                           f"ttft_slo_s={ttft}, tpot_slo_s={tpot}"))
+    return out
+
+
+def _extra_greedy_next_token(rng: random.Random) -> list[Case]:
+    out = []
+    for k in range(1, 3):
+        B, V, seed = rng.randint(1, 16), rng.randint(2, 200), rng.randrange(10**6)
+        out.append(_seeded(k, lambda B=B, V=V, seed=seed: (_randn(B, V, seed=seed),), f"logits [{B}, {V}] random"))
+    return out
+
+
+#: task -> cases the grader adds, drawn from a seed the students do not have (`python -m minirt grade --seed`):
+#: a table of the public cases' answers no longer scores. The notebook's check cell runs the public cases only.
+EXTRA_CASES: dict[str, Callable[[random.Random], list[Case]]] = {
+    "ex01.greedy_next_token": _extra_greedy_next_token,
+    "ex02.left_pad": _extra_left_pad,
+    "ex03.slot_mapping": _extra_slot_mapping,
+    "ex04.block_hashes": _extra_block_hashes,
+    "ex06.split_budget": _extra_split_budget,
+    "ex07.capture_sizes": _extra_capture_sizes,
+    "ex08.admission": _extra_admission,
+    "ex08.goodput": _extra_goodput,
+}
+
+
+def extra_cases(task_id: str, seed: int, spec: Spec | None = None) -> list[Case]:
+    """The seeded extra cases of a task: from `EXTRA_CASES`, or from its Spec's own generator (`Spec.extra`, for the
+    tasks whose inputs are built inside their Spec); none for a task with neither."""
+    make = EXTRA_CASES.get(task_id)
+    if make is None:
+        make = (spec if spec is not None else SPECS[task_id]()).extra
+    return make(random.Random(f"{seed}:{task_id}")) if make else []
+
+
 __all__ = ["CheckFailed", "Case", "REFERENCE_NAMES", "RemoteError", "SPECS", "Spec", "TASKS", "compare",
            "reference_outcome", "SimulatedAllReduce", "ToyTokenizer", "device", "run_check", "simulate_ranks", "tiny_model",
            *(name.replace(".", "_") for name in TASKS)]

@@ -1,5 +1,5 @@
 """Grade submitted exercise notebooks: `python -m minirt grade SUBMISSIONS... [--out grades.csv] [--jobs N]
-[--sandbox auto|bwrap|user|none]`.
+[--sandbox auto|bwrap|user|none] [--seed N]`.
 
 Verdicts are decided here, not in the student's process. Each submission runs in a worker
 (`minirt.course.worker`) inside a sandbox (`minirt.course.sandbox`: bubblewrap where it works, else an
@@ -18,11 +18,17 @@ and its own `minirt`: the tasks, their points and the source of every check cell
   the `checks.ex03_slot_mapping(` call in its source. If its source differs from the solution's (compared
   by a SHA-256 of the source with trailing whitespace removed), the task scores 0: "check cell edited"
   (the edited cell then runs as an ordinary cell). A missing check cell scores 0 as well.
-* A graded function or class that is minirt's own implementation, or calls it, scores 0
-  (`minirt.course.provenance` says what is and is not caught).
+* A graded function or class that is minirt's own implementation, or calls it, scores 0: the worker makes the
+  task's reference raise while the student's code runs, and the source screen adds notes and warnings
+  (`minirt.course.provenance` says what is and is not caught). Warnings cost no point (a column of the CSV).
 * A submission that raises, hangs (interrupted after `--timeout` seconds; a worker that does not stop is
-  killed), kills its worker (the tasks after it score 0), or floods its output (its worker is stopped after
-  16 MB) loses only its own points; the other submissions are graded normally.
+  killed), kills its worker (the tasks after it score 0), floods its output (its worker is stopped after
+  16 MB), sends an answer over the cap or a message outside the protocol, loses only its own points; the
+  other submissions are graded normally. Each submission is graded inside `try/except BaseException` under a
+  watchdog: a failure of the grader itself is a row "grader error: ..." and the run goes on; a sandbox that
+  cannot start is tried again once. Rows are appended to the CSV as they are graded.
+* Besides the public cases of the check cells, tasks with a generator in `checks.EXTRA_CASES` are graded on
+  extra cases drawn from `--seed` (default: a random one, written to OUT.seed).
 
 The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)` runs them standalone.
 """
@@ -48,11 +54,18 @@ DEFAULT_CELL_TIMEOUT = 120          # seconds one cell may run before it is inte
 DEFAULT_WALL_TIMEOUT = 900          # seconds the whole notebook may run (kernel start included)
 LOG_CAP = 64 * 1024                 # bytes of what a notebook prints kept for diagnostics
 OUTPUT_LIMIT = 16 * 2**20           # bytes a notebook may print before its worker is stopped
-MAX_MESSAGE = 64 * 2**20            # bytes of one protocol message from the worker
+MAX_EVENT = 64 * 1024               # bytes of one protocol event from the worker (a cell ran, a task is ready)
+MIN_REPLY_CAP = 2**20               # bytes of one answer to a case: this, or 4x the task's largest expected answer
 MAX_NOTE = 1500                     # characters of a failing case's message kept as its task's note
 GRACE = 5.0                         # seconds the grader waits past a deadline the worker enforces itself
 CHECK_CALL = re.compile(r"checks\s*\.\s*(ex\d\d)_(\w+)\s*\(")
-ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+CONTROL = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)?|[\x00-\x09\x0b-\x1f\x7f-\x9f]")
+WATCHDOG_MARGIN = 60.0              # seconds past its wall-clock limit before a submission's grading is abandoned
+
+
+def clean(text: str) -> str:
+    """Text of a note or a CSV cell without terminal escapes or control characters (newlines stay)."""
+    return CONTROL.sub("", str(text))
 
 
 def default_solutions_dir() -> Path:
@@ -209,11 +222,13 @@ def cell_places(nb) -> list[str]:
 
 class Expectations:
     """The reference's outcome and the encoded inputs of every case of a task, computed once in the grader's
-    process and shared by all submissions (and threads)."""
+    process and shared by all submissions (and threads); with each task the cap on one answer's size (bytes):
+    `MIN_REPLY_CAP`, or four times the task's largest expected answer when that is more."""
 
-    def __init__(self):
+    def __init__(self, seed: int | None = None):
         self._lock = threading.Lock()
         self._tasks: dict[str, tuple] = {}
+        self.seed = seed                  # of the seeded extra cases (`checks.EXTRA_CASES`); None: public cases only
 
     def get(self, task: str):
         from minirt.course import checks, wire
@@ -221,10 +236,12 @@ class Expectations:
         with self._lock:
             if task not in self._tasks:
                 spec = checks.SPECS[task]()
+                cases = spec.cases + (checks.extra_cases(task, self.seed, spec) if self.seed is not None else [])
                 with checks._quiet(), torch_fork_rng():
                     rows = [(case, checks.reference_outcome(spec, case), wire.encode(case.make()))
-                            for case in spec.cases]
-                self._tasks[task] = (spec, rows)
+                            for case in cases]
+                largest = max([len(wire.dumps(wire.encode(e[1]))) for _, e, _ in rows if e[0] == "ok"] or [0])
+                self._tasks[task] = (spec, rows, max(MIN_REPLY_CAP, 4 * largest))
             return self._tasks[task]
 
 
@@ -274,9 +291,10 @@ class Connection:
         except (OSError, ValueError):
             return False
 
-    def recv(self, deadline: float) -> dict | None:
-        """The next message; None when the worker is gone, stops talking by `deadline`, or breaks the protocol
-        (`self.broken` says which)."""
+    def recv(self, deadline: float, limit: int = MAX_EVENT) -> dict | None:
+        """The next message (at most `limit` bytes); None when the worker is gone, stops talking by `deadline`,
+        or breaks the protocol (`self.broken` says which: a message too long, too deep, or not a JSON object)."""
+        from minirt.course import wire
 
         while b"\n" not in self.buf:
             left = deadline - time.monotonic()
@@ -291,12 +309,15 @@ class Connection:
                 self.broken = "output limit" if self.flooded else "died"
                 return None
             self.buf += chunk
-            if len(self.buf) > MAX_MESSAGE:
-                self.broken = "protocol"
+            if len(self.buf) > limit and b"\n" not in self.buf[:limit + 1]:
+                self.broken = "too long"
                 return None
         line, self.buf = self.buf.split(b"\n", 1)
+        if len(line) > limit:
+            self.broken = "too long"
+            return None
         try:
-            msg = json.loads(line)
+            msg = wire.parse(line)
         except ValueError:
             msg = None
         if not isinstance(msg, dict):
@@ -305,19 +326,51 @@ class Connection:
         return msg
 
 
+def _is_text(x, limit: int = 1 << 20) -> bool:
+    return isinstance(x, str) and len(x) <= limit
+
+
+def valid_event(msg: dict) -> bool:
+    """Whether a worker's event has exactly the fields and types of the protocol (`minirt.course.worker`)."""
+    event = msg.get("event")
+    if event in ("done", "ready"):
+        return set(msg) == {"event"}
+    if event == "cell":
+        return set(msg) == {"event", "index", "error"} and type(msg["index"]) is int and \
+            (msg["error"] is None or _is_text(msg["error"], 4000))
+    if event == "task":
+        return set(msg) == {"event", "task", "error", "identity"} and _is_text(msg["task"], 200) and \
+            (msg["error"] is None or _is_text(msg["error"], 4000)) and \
+            (msg["identity"] is None or isinstance(msg["identity"], dict))
+    return False
+
+
+REPLY_FIELDS = {"ok": {"kind", "value", "printed"}, "raised": {"kind", "type", "mro", "message", "printed"},
+                "not_implemented": {"kind"}, "timeout": {"kind"}, "blocked": {"kind", "printed"}}
+
+
 def _outcome_of(reply: dict):
-    """(kind, value, printed) from a worker's reply to a case, or raises ValueError when malformed."""
+    """(kind, value, printed) from a worker's reply to a case; ValueError when it does not follow the protocol
+    (its fields and their types exactly; the value as `wire.decode` accepts it)."""
     from minirt.course import checks, wire
 
     kind = reply.get("kind")
-    printed = str(reply.get("printed", ""))[:2000]
+    if not isinstance(kind, str) or REPLY_FIELDS.get(kind) != set(reply):
+        raise ValueError(f"unexpected reply (kind {str(kind)[:40]!r}, fields {sorted(map(str, reply))[:6]})")
+    printed = reply.get("printed", "")
+    if not _is_text(printed):
+        raise ValueError("printed is not text")
+    printed = clean(printed[:2000])
     if kind == "ok":
-        return "ok", wire.decode(reply.get("value"), device=checks.device()), printed
+        return "ok", reply["value"], printed           # decoded by the caller: a bad value is a wrong answer
     if kind == "raised":
-        mro = [str(m) for m in reply.get("mro", [])][:50] if isinstance(reply.get("mro"), list) else []
-        return "raised", checks.RemoteError(str(reply.get("type", "?"))[:200], mro,
-                                            str(reply.get("message", ""))[:checks.MAX_REPR]), printed
-    raise ValueError(f"unexpected reply kind {kind!r}")
+        mro = reply["mro"]
+        if not (_is_text(reply["type"], 1000) and _is_text(reply["message"]) and isinstance(mro, list)
+                and len(mro) <= 100 and all(_is_text(m, 1000) for m in mro)):
+            raise ValueError("malformed exception report")
+        return "raised", checks.RemoteError(clean(reply["type"][:200]), mro[:50],
+                                            clean(reply["message"][:checks.MAX_REPR])), printed
+    return kind, None, printed
 
 
 def _case_note(message: str, limit: int = MAX_NOTE) -> str:
@@ -328,41 +381,62 @@ def _case_note(message: str, limit: int = MAX_NOTE) -> str:
 
 
 def _judge_task(conn: Connection, task: str, expectations: Expectations, timeout: float) -> tuple[bool, str | None]:
-    """Send every case of `task` to the worker and compare its answers here: (passed, note)."""
-    from minirt.course import checks
+    """Send every case of `task` to the worker and compare its answers here: (passed, note). A note of None means
+    the worker is gone or broke the protocol (`conn.broken` says which)."""
+    from minirt.course import checks, wire
 
-    _, rows = expectations.get(task)
+    _, rows, cap = expectations.get(task)
     n = len(rows)
     deadline = time.monotonic() + timeout
     for i, (case, expected, inputs) in enumerate(rows, 1):
         left = deadline - time.monotonic()
         if left <= 0 or not conn.send({"op": "case", "inputs": inputs, "time_left": left}):
             return False, f"timed out (a cell ran over {timeout:g} s)" if left <= 0 else None
-        reply = conn.recv(deadline + GRACE)
+        reply = conn.recv(deadline + GRACE, limit=cap)
         if reply is None:
-            return False, None                                 # the caller says why (conn.broken)
-        if reply.get("kind") == "not_implemented":
-            return False, "task not implemented yet"
-        if reply.get("kind") == "timeout":
-            return False, f"timed out (a cell ran over {timeout:g} s)"
+            return False, None
         try:
-            got = _outcome_of(reply)
-        except ValueError as e:
-            return False, f"the worker's answer is not valid data ({str(e)[:100]})"
-        message = checks.compare(task, i, case, n, expected, got[:2], got[2])
+            kind, value, printed = _outcome_of(reply)
+        except (ValueError, TypeError, RuntimeError, OverflowError, MemoryError):
+            conn.broken = "protocol"
+            return False, None
+        if kind == "not_implemented":
+            return False, "task not implemented yet"
+        if kind == "timeout":
+            return False, f"timed out (a cell ran over {timeout:g} s)"
+        if kind == "ok":
+            try:
+                value = wire.decode(value, device=checks.device())
+            except (ValueError, TypeError, RuntimeError, OverflowError) as e:
+                return False, (f"{task} failed on case {i}/{n} '{case.name}': your function's answer could not be "
+                               f"read ({clean(str(e))[:120]})")
+        if kind == "blocked":
+            return False, (f"calls minirt's own implementation while grading ({_ref_names(task)}): not a solution "
+                           f"(case {i}/{n} '{case.name}')")
+        try:
+            message = checks.compare(task, i, case, n, expected, (kind, value), printed)
+        except Exception as e:  # noqa: BLE001 - an answer the comparison cannot read is a wrong answer
+            message = f"{task} failed on case {i}/{n} '{case.name}': the answer could not be compared ({type(e).__name__})"
         if message is not None:
             return False, _case_note(message)
     return True, None
 
 
+def _ref_names(task: str) -> str:
+    from minirt.course import checks
+
+    return ", ".join(n.replace(":", ".") for n in checks.REFERENCE_NAMES.get(task, ()))
+
+
 #: A broken connection's reason (`conn.broken`) as the run's status.
 BROKEN_STATUS = {"died": "worker died", "timeout": "worker stopped answering", "output limit": "output limit",
-                 "protocol": "protocol broken"}
+                 "protocol": "protocol broken", "too long": "protocol broken"}
 BROKEN_NOTES = {
     "died": "kernel died (the notebook could not go on)",
     "timeout": "timed out: the worker stopped answering and was killed",
     "output limit": "output limit: the notebook printed more than {limit} MB and was stopped",
     "protocol": "the worker broke the grading protocol and was stopped",
+    "too long": "the worker's answer was longer than the grader reads and the worker was stopped",
 }
 
 
@@ -373,12 +447,14 @@ class RunResult:
     status: str                         # "finished", "wall timeout", "worker died", ...
     seconds: float
     log: str                            # the head of what the notebook printed
+    warnings: list[str] = field(default_factory=list)   # the screen's hints for the instructor (no lost points)
 
 
 def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, sandbox: str, slot: int = 0,
                    cell_timeout: float = DEFAULT_CELL_TIMEOUT, wall_timeout: float = DEFAULT_WALL_TIMEOUT,
-                   limits=None, output_limit: int = OUTPUT_LIMIT) -> RunResult:
-    """Run one submission in a sandboxed worker and score its tasks in this process."""
+                   limits=None, output_limit: int = OUTPUT_LIMIT, holder: dict | None = None) -> RunResult:
+    """Run one submission in a sandboxed worker and score its tasks in this process. `holder["worker"]` is set to
+    the worker while it runs (the grader's watchdog kills it there)."""
 
     from minirt.course import provenance
     from minirt.course.sandbox import Limits, Worker
@@ -388,7 +464,9 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
     scores = {s.task: 0.0 for s in task_specs}
     notes: dict[str, str] = dict(problems)
     points = {s.task: s.points for s in task_specs}
-    tamper = provenance.tampering(sources)
+    for s in task_specs:                      # the references' modules, by their trusted names, before the screen
+        provenance.reference_objects(s.task)
+    tamper, warnings = provenance.screen(sources)
     for s in task_specs:
         if s.task not in notes and tamper:
             notes[s.task] = tamper
@@ -397,24 +475,65 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
             found = provenance.scan(sources, s.task, arg if arg and arg.isidentifier() else None)
             if found:
                 notes[s.task] = found
+    last = None
+    for attempt in range(START_ATTEMPTS):         # the sandbox failing to start is the grader's fault: try again
+        try:
+            return _run_worker(plan, task_specs, expectations, sandbox, slot, cell_timeout, wall_timeout,
+                               limits or Limits(), output_limit, holder, start, scores, notes, warnings)
+        except InfrastructureError as e:
+            last = e
+            time.sleep(1.0 + attempt)
+    for s in task_specs:
+        notes.setdefault(s.task, "not run: the grader's sandbox failed (not your fault; grade it again)")
+    return RunResult(scores, notes, f"grader error: the worker could not start ({str(last)[:200]})",
+                     time.monotonic() - start, "", warnings)
+
+
+class InfrastructureError(Exception):
+    """The worker could not start, or died before it was ready (before any of the submission's code ran)."""
+
+
+START_ATTEMPTS = 2
+
+
+def _run_worker(plan, task_specs, expectations, sandbox, slot, cell_timeout, wall_timeout, limits, output_limit,
+                holder, start, scores, notes, warnings) -> RunResult:
+    from minirt.course import provenance
+    from minirt.course.sandbox import Worker
+
+    notes, scores = dict(notes), dict(scores)
+    points = {s.task: s.points for s in task_specs}
     try:
-        worker = Worker(sandbox, slot, limits or Limits(), json.dumps(plan).encode())
-    except OSError as e:
-        notes.update({s.task: notes.get(s.task, f"not run: the worker could not start ({e})") for s in task_specs})
-        return RunResult(scores, notes, "could not start", time.monotonic() - start, "")
+        worker = Worker(sandbox, slot, limits, json.dumps(plan).encode())
+    except OSError as e:                          # ENOSPC, EMFILE, ... on the grader's side
+        raise InfrastructureError(f"{type(e).__name__}: {e}") from None
+    if holder is not None:
+        holder["worker"] = worker
     conn = Connection(worker, output_limit)
     wall = start + wall_timeout
     status = "finished"
     reached: set[str] = set()
     cell_error = None                                           # the last failed cell since the last check
+    ready = False
     try:
         while True:
             msg = conn.recv(min(wall, time.monotonic() + cell_timeout + GRACE))
+            if msg is None and not ready and conn.broken in ("died", "timeout"):
+                raise InfrastructureError(bytes(conn.log[-300:]).decode("utf-8", "replace").strip() or conn.broken)
             if msg is None:
                 status = ("wall timeout" if time.monotonic() >= wall else
                           BROKEN_STATUS.get(conn.broken or "", "worker died"))
                 break
+            if not valid_event(msg):
+                status = "protocol broken"
+                break
             event = msg.get("event")
+            if event == "ready":
+                ready = True
+                continue
+            if not ready:
+                status = "protocol broken"
+                break
             if event == "done":
                 break
             if event == "cell":
@@ -439,9 +558,10 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
                 notes[task] = (f"timed out (a cell ran over {cell_timeout:g} s)" if why == "timeout" else
                                f"the task's function could not be taken: {str(msg['error'])[:150]}"
                                + (f" (a cell before failed: {why[:200]})" if why else ""))
-            elif (found := provenance.judge_identity(msg.get("identity"), task)):
-                notes[task] = found
             else:
+                found = provenance.judge_identity(msg.get("identity"), task)   # the worker's word: a hint only
+                if found and found not in warnings:
+                    warnings.append(found)
                 ok, note = _judge_task(conn, task, expectations, min(cell_timeout, max(0.0, wall - time.monotonic())))
                 if ok:
                     scores[task] = points[task]
@@ -468,7 +588,8 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
                 notes[s.task] = BROKEN_NOTES["died"] if status == "worker died" else f"not run ({status})"
             else:
                 notes[s.task] = "not run (the notebook ended before its check cell)"
-    return RunResult(scores, notes, status, time.monotonic() - start, bytes(conn.log).decode("utf-8", "replace"))
+    return RunResult(scores, notes, status, time.monotonic() - start, bytes(conn.log).decode("utf-8", "replace"),
+                     warnings)
 
 
 # ------------------------------------------------------------------------------------ grading
@@ -476,13 +597,15 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
 
 def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFAULT_CELL_TIMEOUT,
           wall_timeout: float = DEFAULT_WALL_TIMEOUT, solutions_dir: str | os.PathLike | None = None,
-          verbose: bool = True, sandbox: str = "auto", jobs: int = 1, limits=None) -> list[dict]:
+          verbose: bool = True, sandbox: str = "auto", jobs: int = 1, limits=None,
+          seed: int | None = None) -> list[dict]:
     """Grade each submission; returns one row per submission and writes `out_csv` when given.
 
     A row: {"submission", "exercise", "scores": {task: points}, "total", "max", "notes": {task: reason},
     "seconds", "status", "sandbox"}. `timeout` is per cell (and per task's check), `wall_timeout` per
     notebook (seconds). `sandbox` is auto, bwrap, user or none (see `minirt.course.sandbox`); `jobs`
-    submissions run at a time.
+    submissions run at a time. `seed` draws the grader's extra cases (`checks.EXTRA_CASES`; None: the public
+    cases only); it is written beside the CSV as `<out>.seed`.
     """
     from concurrent.futures import ThreadPoolExecutor
 
@@ -494,19 +617,46 @@ def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFA
         print(f"warning: grading with sandbox {kind!r}: " + (
             "an unprivileged user with resource limits; the file system is not hidden from submissions"
             if kind == "user" else "no isolation at all, resource limits only"), file=sys.stderr, flush=True)
-    expectations = Expectations()
+    expectations = Expectations(seed)
+    paths = [Path(p) for p in paths]
+    if out_csv is not None and seed is not None:
+        Path(f"{out_csv}.seed").write_text(f"{seed}\n")
     slots = list(range(max(1, min(int(jobs), sandboxes.MAX_SLOTS))))
-    free = list(slots)
+    free, spare = list(slots), list(range(len(slots), sandboxes.MAX_SLOTS))
     lock = threading.Lock()
+    sink = CsvSink(out_csv, _columns_of(paths, specs), specs) if out_csv is not None else None
+    limit = wall_timeout + WATCHDOG_MARGIN
 
-    def one(p) -> dict:
+    def one(path: Path) -> dict:
         with lock:
-            slot = free.pop()
-        try:
-            row = _grade_one(Path(p), specs, expectations, kind, slot, timeout, wall_timeout, limits)
-        finally:
-            with lock:
+            slot = free.pop() if free else (spare.pop() if spare else slots[0])
+        holder: dict = {}
+        box: dict = {}
+
+        def work() -> None:
+            try:
+                box["row"] = _grade_one(path, specs, expectations, kind, slot, timeout, wall_timeout, limits, holder)
+            except BaseException as e:  # noqa: BLE001 - the grader's own failure: this row only, never the run
+                box["row"] = _error_row(path, specs, kind, f"grader error: {type(e).__name__}: {str(e)[:200]}")
+
+        thread = threading.Thread(target=work, name=f"grade {path.name}", daemon=True)
+        thread.start()
+        thread.join(limit)
+        if thread.is_alive():                    # the watchdog: stop the worker, then give up on this one
+            worker = holder.get("worker")
+            if worker is not None:
+                worker.kill()
+            thread.join(5)
+        stuck = thread.is_alive()
+        with lock:
+            if not stuck:
                 free.append(slot)
+        row = box.get("row") if not stuck else None
+        if row is None:
+            row = _error_row(path, specs, kind, f"grader error: grading ran past {limit:g} s and was abandoned")
+        row = _cleaned(row)
+        if sink is not None:
+            sink.add(row)
         _progress(verbose, row)
         return row
 
@@ -515,12 +665,77 @@ def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFA
     else:
         with ThreadPoolExecutor(len(slots)) as pool:
             rows = list(pool.map(one, paths))
-    if out_csv is not None:
-        write_csv(rows, out_csv, specs)
+    if sink is not None:
+        sink.finish(rows)
     return rows
 
 
-def _grade_one(path: Path, specs, expectations, kind, slot, timeout, wall_timeout, limits) -> dict:
+def _error_row(path: Path, specs, kind: str, status: str) -> dict:
+    """The row of a submission the grader could not grade: 0 on its exercise's tasks (from its file name)."""
+    import nbformat
+
+    row = {"submission": str(path), "exercise": None, "scores": {}, "total": 0.0, "max": 0.0,
+           "notes": {}, "seconds": 0.0, "status": status, "sandbox": kind}
+    try:
+        exercise = _exercise_of(nbformat.v4.new_notebook(), path, specs)
+    except Exception:  # noqa: BLE001
+        exercise = None
+    if exercise is not None:
+        row["exercise"], row["max"] = exercise, sum(s.points for s in specs[exercise])
+        row["scores"] = {s.task: 0.0 for s in specs[exercise]}
+    return row
+
+
+def _cleaned(row: dict) -> dict:
+    row = dict(row)
+    row["submission"], row["status"] = clean(row["submission"]), clean(row["status"])
+    row["notes"] = {t: clean(n) for t, n in row["notes"].items()}
+    if "warnings" in row:
+        row["warnings"] = clean(row["warnings"])
+    return row
+
+
+def _columns_of(paths: list[Path], specs) -> list[str]:
+    """The task columns of a grade sheet: every task of each exercise the submissions are of."""
+    import nbformat
+
+    exercises = set()
+    for p in paths:
+        try:
+            nb = nbformat.read(p, as_version=4)
+        except Exception:  # noqa: BLE001 - unreadable: its exercise from its file name
+            nb = nbformat.v4.new_notebook()
+        try:
+            exercises.add(_exercise_of(nb, p, specs))
+        except Exception:  # noqa: BLE001
+            pass
+    return [s.task for e in sorted(x for x in exercises if x) for s in specs[e]]
+
+
+class CsvSink:
+    """The grade sheet, written as the grading goes: the header first, each row appended (and flushed) as soon
+    as its submission is graded, so a run that is stopped keeps every row graded so far. `finish` rewrites it
+    in the order the submissions were given."""
+
+    def __init__(self, path, tasks: list[str], specs):
+        self.path, self.tasks, self.specs = Path(path), tasks, specs
+        self._lock = threading.Lock()
+        self.f = open(self.path, "w", newline="")
+        self.w = csv.writer(self.f)
+        self.w.writerow(_header(tasks))
+        self.f.flush()
+
+    def add(self, row: dict) -> None:
+        with self._lock:
+            self.w.writerow(_csv_row(row, self.tasks))
+            self.f.flush()
+
+    def finish(self, rows: list[dict]) -> None:
+        self.f.close()
+        write_csv(rows, self.path, self.specs, self.tasks)
+
+
+def _grade_one(path: Path, specs, expectations, kind, slot, timeout, wall_timeout, limits, holder=None) -> dict:
     import nbformat
 
     row = {"submission": str(path), "exercise": None, "scores": {}, "total": 0.0, "max": 0.0,
@@ -541,10 +756,11 @@ def _grade_one(path: Path, specs, expectations, kind, slot, timeout, wall_timeou
     row["exercise"] = exercise
     task_specs = specs[exercise]
     row["max"] = sum(s.points for s in task_specs)
-    result = run_submission(nb, task_specs, expectations, kind, slot, timeout, wall_timeout, limits)
+    result = run_submission(nb, task_specs, expectations, kind, slot, timeout, wall_timeout, limits, holder=holder)
     row["seconds"], row["status"] = result.seconds, result.status
     row["scores"], row["notes"] = result.scores, {t: result.notes[t] for t in result.scores if t in result.notes}
     row["total"] = sum(row["scores"].values())
+    row["warnings"] = "; ".join(result.warnings)
     return row
 
 
@@ -560,20 +776,33 @@ def _columns(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> list[str]:
     return [s.task for e in exercises for s in specs[e]]
 
 
-def write_csv(rows: list[dict], out_csv, specs: dict[str, list[TaskSpec]] | None = None) -> None:
-    """One row per submission: submission, exercise, one column per task, total, max, sandbox, notes."""
+def _header(tasks: list[str]) -> list[str]:
+    return ["submission", "exercise", *tasks, "total", "max", "sandbox", "notes", "warnings"]
+
+
+def _csv_row(r: dict, tasks: list[str]) -> list[str]:
+    notes = "; ".join(f"{t}: {n}" for t, n in r["notes"].items())
+    if r["status"] not in ("", "finished"):
+        notes = f"{r['status']}" + (f"; {notes}" if notes else "")
+    cells = [r["submission"], r["exercise"] or "", *[(f"{r['scores'][t]:g}" if t in r["scores"] else "") for t in tasks],
+             f"{r['total']:g}", f"{r['max']:g}", r.get("sandbox", ""), notes, r.get("warnings", "")]
+    return [clean(c) for c in cells]
+
+
+def write_csv(rows: list[dict], out_csv, specs: dict[str, list[TaskSpec]] | None = None,
+              tasks: list[str] | None = None) -> None:
+    """One row per submission: submission, exercise, one column per task, total, max, sandbox, notes, warnings.
+    Written to a temporary file beside `out_csv`, then moved over it."""
     specs = specs or {}
-    tasks = _columns(rows, specs) if specs else sorted({t for r in rows for t in r["scores"]})
-    with open(out_csv, "w", newline="") as f:
+    if tasks is None:
+        tasks = _columns(rows, specs) if specs else sorted({t for r in rows for t in r["scores"]})
+    tmp = Path(f"{out_csv}.tmp")
+    with open(tmp, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["submission", "exercise", *tasks, "total", "max", "sandbox", "notes"])
+        w.writerow(_header(tasks))
         for r in rows:
-            notes = "; ".join(f"{t}: {n}" for t, n in r["notes"].items())
-            if r["status"] not in ("", "finished"):
-                notes = f"{r['status']}" + (f"; {notes}" if notes else "")
-            w.writerow([r["submission"], r["exercise"] or "",
-                        *[(f"{r['scores'][t]:g}" if t in r["scores"] else "") for t in tasks],
-                        f"{r['total']:g}", f"{r['max']:g}", r.get("sandbox", ""), notes])
+            w.writerow(_csv_row(r, tasks))
+    os.replace(tmp, out_csv)
 
 
 def format_table(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> str:
@@ -596,9 +825,11 @@ def format_table(rows: list[dict], specs: dict[str, list[TaskSpec]]) -> str:
         if r["status"] not in ("", "finished"):
             notes.append(f"  {name}: {r['status']}")
         notes += [f"  {name} {t}: " + n.replace("\n", "\n      ") for t, n in r["notes"].items()]
+        if r.get("warnings"):
+            notes.append(f"  {name} (warning, no points lost): {r['warnings']}")
     kinds = sorted({r.get("sandbox") for r in rows if r.get("sandbox")})
     footer = [f"sandbox: {', '.join(kinds)}"] if kinds else []
-    return "\n".join(lines + (["", "notes:", *notes] if notes else []) + footer)
+    return clean("\n".join(lines + (["", "notes:", *notes] if notes else []) + footer))
 
 
 # ------------------------------------------------------------------------------------ command line
@@ -620,6 +851,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="where submissions run: bwrap (bubblewrap), user (an unprivileged uid), none; "
                         "auto (default) takes the first that works")
     p.add_argument("--jobs", type=int, default=1, help="submissions graded at a time (default 1)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="seed of the grader's extra cases, which students do not have (default: a fresh random one, "
+                        "printed and written to OUT.seed)")
     return p
 
 
@@ -641,9 +875,12 @@ def run(args) -> int:
     except (RuntimeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    seed = getattr(args, "seed", None)
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
     rows = grade(args.submissions, args.out, args.timeout, args.wall_timeout, args.solutions,
-                 sandbox=getattr(args, "sandbox", "auto"), jobs=getattr(args, "jobs", 1))
+                 sandbox=getattr(args, "sandbox", "auto"), jobs=getattr(args, "jobs", 1), seed=seed)
     print(format_table(rows, specs))
+    print(f"seed of the extra cases: {seed}" + (f" (in {args.out}.seed)" if args.out else ""))
     if args.out:
         print(f"\nwrote {args.out}")
     return 0

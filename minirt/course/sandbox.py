@@ -4,7 +4,8 @@
     /usr /etc /bin /lib* (read-only), the Python install and its site-packages (read-only, at their own
     paths), the installed `minirt` package alone (read-only, at /opt/minirt/minirt, first on PYTHONPATH;
     not the checkout around it, so neither solutions/ nor the grader's files), a fresh /proc and /dev,
-    and the submission's own temporary folder as /tmp, the one writable place (also HOME and the cwd).
+    its plan read-only at /grading, and a fresh tmpfs of `Limits.tmp_bytes` as /tmp, the one writable place (also
+    HOME and the cwd): a submission that fills it gets ENOSPC there, and the host's disk is never touched.
     It unshares the network (only a loopback of its own), PID, IPC, UTS and cgroup namespaces, starts a
     new session and dies with the grader. Inside, `setpriv` drops to the slot's own unprivileged uid and
     gid (`slot_uid`) with no capabilities before Python starts.
@@ -52,6 +53,7 @@ class Limits:
     memory_bytes: int = 6 * 2**30     # address space of each process
     processes: int = 64               # processes and threads of the slot's uid
     file_bytes: int = 64 * 2**20      # size of any one file it writes
+    tmp_bytes: int = 256 * 2**20      # size of the tmpfs mounted as its /tmp (bwrap)
 
     def apply(self) -> None:
         resource.setrlimit(resource.RLIMIT_CPU, (self.cpu_seconds, self.cpu_seconds + 5))
@@ -119,6 +121,7 @@ def _python_dirs() -> list[str]:
 
 
 SANDBOX_LIB = "/opt/minirt"
+GRADING_DIR = "/grading"
 
 
 def _parents(path: str) -> list[str]:
@@ -126,7 +129,7 @@ def _parents(path: str) -> list[str]:
     return ["/" + "/".join(parts[:i + 1]) for i in range(len(parts))]
 
 
-def bwrap_command(argv: list[str], folder: Path, uid: int) -> list[str]:
+def bwrap_command(argv: list[str], folder: Path, uid: int, tmp_bytes: int = Limits.tmp_bytes) -> list[str]:
     """bwrap + setpriv around `argv` (whose paths are the sandbox's)."""
     cmd = ["bwrap", *_BWRAP_FLAGS]
     for d in ("/usr", "/etc"):
@@ -137,9 +140,9 @@ def bwrap_command(argv: list[str], folder: Path, uid: int) -> list[str]:
             cmd += ["--symlink", target, f"/{link}"]
         elif os.path.isdir(f"/{link}"):
             cmd += ["--ro-bind", f"/{link}", f"/{link}"]
-    # The submission's folder first, as /tmp: the Python dirs bound after it stay visible even where they live
-    # under /tmp (a venv in a checkout there).
-    cmd += ["--bind", str(folder), "/tmp"]
+    # /tmp first, a tmpfs of its own: the Python dirs bound after it stay visible even where they live under /tmp
+    # (a venv in a checkout there). The plan sits read-only beside it.
+    cmd += ["--perms", "01777", "--size", str(int(tmp_bytes)), "--tmpfs", "/tmp", "--ro-bind", str(folder), GRADING_DIR]
     binds = [(d, d) for d in _python_dirs()] + [(str(_package_dir()), f"{SANDBOX_LIB}/minirt")]
     made: set[str] = {"/usr", "/etc"}
     for _, dest in binds:
@@ -177,9 +180,10 @@ class Worker:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": inside, "TMPDIR": inside, "PYTHONPATH": lib,
                "PYTHONDONTWRITEBYTECODE": "1", "MPLBACKEND": "Agg", "IPYTHONDIR": f"{inside}/.ipython",
                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "LANG": "C.UTF-8", "PYTHONUNBUFFERED": "1"}
-        argv = argv or [sys.executable, "-s", "-m", "minirt.course.worker", f"{inside}/plan.json"]
+        plan_dir = GRADING_DIR if kind == "bwrap" else inside
+        argv = argv or [sys.executable, "-s", "-m", "minirt.course.worker", f"{plan_dir}/plan.json"]
         if kind == "bwrap":
-            argv = bwrap_command(argv, self.folder, self.uid)
+            argv = bwrap_command(argv, self.folder, self.uid, limits.tmp_bytes)
         preexec = self._preexec
         self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      cwd=str(self.folder), env=env, preexec_fn=preexec, start_new_session=True)

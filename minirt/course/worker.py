@@ -6,11 +6,13 @@ argument (the task's function or class, e.g. `slot_mapping`), tells the grader, 
 calls until told to go on:
 
     grader -> worker   {"op": "case", "inputs": <wire value>, "time_left": s}  |  {"op": "next"}
-    worker -> grader   {"event": "cell", "index": i, "error": str | None}
+    worker -> grader   {"event": "ready"}   (once, before the first cell: the sandbox started)
+                       {"event": "cell", "index": i, "error": str | None}
                        {"event": "task", "task": "ex03.slot_mapping", "error": str | None, "identity": {...}}
                        {"kind": "ok", "value": <wire value>, "printed": str}   (one per "case")
                        {"kind": "raised", "type": "builtins.ValueError", "mro": [...], "message": str, "printed": str}
                        {"kind": "not_implemented" | "timeout"}
+                       {"kind": "blocked", "printed": ""}   (the student's code reached minirt's reference)
                        {"event": "done"}
 
 A case applies the task's driver (`checks.SPECS[task]().run`, default `f(*inputs)`) to the inputs the grader
@@ -31,6 +33,89 @@ import types
 
 MAX_PRINTED = 2000          # characters of what the student's function printed during one case, sent back
 MAX_OUTPUT = 4 * 2**20      # characters the cells may print through sys.stdout / sys.stderr; the rest is dropped
+
+
+BLOCKED_MESSAGE = "minirt's reference is not available while grading"
+
+
+class ReferenceBlocked(BaseException):
+    """Raised by minirt's reference of the graded task while the student's code runs (a BaseException: the drives'
+    `except Exception` records do not swallow it, the worker reports it and the grader scores the task 0)."""
+
+
+def _blocked_code(num_free: int) -> types.CodeType:
+    """The code of a function that raises ReferenceBlocked, with `num_free` free variables (a function's code can
+    be replaced only by one with as many as its closure has cells)."""
+    names = [f"_cell{i}" for i in range(num_free)]
+    src = ("def _outer():\n" + "".join(f"    {n} = None\n" for n in names) +
+           "    def blocked(*args, **kwargs):\n" + (f"        ({', '.join(names)},)\n" if names else "") +
+           f"        raise __minirt_reference_blocked__({BLOCKED_MESSAGE!r})\n    return blocked\n")
+    ns: dict = {}
+    exec(compile(src, "<minirt: reference blocked>", "exec"), ns)  # noqa: S102 - the worker's own text
+    return ns["_outer"]().__code__
+
+
+def _functions_of(obj) -> list[types.FunctionType]:
+    """The Python functions behind a reference: itself (and what it wraps), or every method of a class."""
+    out, todo = [], [obj]
+    while todo:
+        o = todo.pop()
+        if isinstance(o, type):
+            for v in vars(o).values():
+                for part in (v, getattr(v, "__func__", None), getattr(v, "fget", None), getattr(v, "fset", None)):
+                    if isinstance(part, types.FunctionType):
+                        todo.append(part)
+        elif isinstance(o, types.FunctionType) and all(o is not f for f in out):
+            out.append(o)
+            if isinstance(getattr(o, "__wrapped__", None), (types.FunctionType, type)):
+                todo.append(o.__wrapped__)
+    return out
+
+
+def block_references(task: str) -> list[tuple[types.FunctionType, types.CodeType]]:
+    """Make minirt's reference of `task` raise ReferenceBlocked wherever it is held: its functions' code is
+    replaced in place (so `[ref]`, `functools.partial(ref)`, an alias, a subclass or an object whose method it is
+    all reach the raising code), and so is the code of every other function whose code equals it (a copy of its
+    code object, or of its module's source, run by the notebook). Returns what `unblock` puts back."""
+    import builtins
+    import gc
+
+    from minirt.course import provenance
+
+    builtins.__minirt_reference_blocked__ = ReferenceBlocked
+    _kill_helpers()
+    funcs = [f for ref in provenance.reference_objects(task) for f in _functions_of(ref)]
+    originals = [f.__code__ for f in funcs]
+    for o in gc.get_objects():
+        if type(o) is types.FunctionType and all(o is not f for f in funcs):
+            try:
+                if any(o.__code__ == c for c in originals):
+                    funcs.append(o)
+            except Exception:  # noqa: BLE001 - a function whose code cannot be compared is not a copy
+                pass
+    saved = []
+    for f in funcs:
+        code = f.__code__
+        f.__code__ = _blocked_code(len(code.co_freevars))
+        saved.append((f, code))
+    return saved
+
+
+def _kill_helpers() -> None:
+    """Kill every other process of this worker's unprivileged uid (a helper the notebook forked earlier would
+    keep an unblocked copy of the reference). Only in a sandbox's own uid: as any other user this does nothing."""
+    from minirt.course.sandbox import BASE_UID
+
+    if os.getuid() >= BASE_UID and os.geteuid() >= BASE_UID:
+        try:
+            os.kill(-1, signal.SIGKILL)         # every process this uid may signal, never this one or init
+        except OSError:
+            pass
+
+
+def unblock(saved: list[tuple[types.FunctionType, types.CodeType]]) -> None:
+    for f, code in saved:
+        f.__code__ = code
 
 
 class CellTimeout(BaseException):
@@ -167,10 +252,18 @@ def serve_task(chan: Channel, tools: Tools, task: str, fn) -> None:
     """Answer the grader's cases for one task until it says "next"."""
     spec = tools.specs[task]()
     run = tools.apply(spec)
+    saved = block_references(task)
+    try:
+        _serve_cases(chan, tools, run, fn)
+    finally:
+        unblock(saved)
+
+
+def _serve_cases(chan: Channel, tools: Tools, run, fn) -> None:
     while True:
         req = chan.recv()
         if req is None:
-            sys.exit(0)
+            os._exit(0)
         if req.get("op") != "case":
             return
         reply: dict
@@ -194,6 +287,8 @@ def serve_task(chan: Channel, tools: Tools, task: str, fn) -> None:
             reply = {"kind": "not_implemented"}
         except CellTimeout:
             reply = {"kind": "timeout"}
+        except ReferenceBlocked:
+            reply = {"kind": "blocked", "printed": ""}
         chan.send(reply)
 
 
@@ -205,6 +300,7 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGALRM, _on_alarm)
     tools = Tools()
     shell = _shell()
+    chan.send({"event": "ready"})                 # before any of the submission's code: the sandbox started
     timeout = float(plan["cell_timeout"])
     for i, cell in enumerate(plan["cells"]):
         task = cell.get("task")
