@@ -814,7 +814,24 @@ def ex04_match() -> Spec:
              enabled=False),
         case("two cached sequences", b + [1, 2, 3], "A and B cached", num_blocks=16, sequences=[a, b]),
     ]
-    return Spec(lambda cache, prompt: cache.match(prompt), cases, run=drive)
+
+    def extra(rng):
+        out = []
+        for k in (1, 2, 3):
+            base = [rng.randrange(500) for _ in range(rng.randint(1, 24))]
+            seqs = [base[:rng.randint(1, len(base))] + [rng.randrange(500) for _ in range(rng.randint(0, 8))]
+                    for _ in range(rng.randint(1, 3))]
+            slack = rng.randint(0, 4)
+            release = sorted(rng.sample(range(len(seqs)), rng.randint(0, len(seqs))))
+            freed = slack + sum(-(len(seqs[i]) // -B) for i in release)
+            evict = rng.randint(0, freed)
+            prompt = base[:rng.randint(0, len(base))] + [rng.randrange(500) for _ in range(rng.randint(0, 6))]
+            out.append(case(f"seeded case {k}", prompt or [rng.randrange(500)],
+                            f"cached: {len(seqs)} sequences {_short(seqs, 160)}, sequences {release} freed, then "
+                            f"{evict} blocks allocated", num_blocks=sum(-(len(q) // -B) for q in seqs) + slack,
+                            sequences=seqs, release=release, evict=evict))
+        return out
+    return Spec(lambda cache, prompt: cache.match(prompt), cases, run=drive, extra=extra)
 
 
 # ============================================================================== ex05: the engine
@@ -927,7 +944,24 @@ def ex05_try_allocate() -> Spec:
         case("watermark does not apply to an empty engine",
              [("admit", "r0", other[:50] + tok[:50], 8)], B=1, num_blocks=100),
     ]
-    return Spec(lambda sched, r: sched.try_allocate(r), cases, run=drive)
+
+    def extra(rng):
+        out = []
+        for k in (1, 2, 3):
+            B = rng.choice([1, 2, 4, 8])
+            ops, running = [], []
+            for i in range(rng.randint(1, 6)):
+                src = rng.choice([tok, other])
+                start = 0 if src is tok else rng.randrange(8)
+                ops.append(("admit", f"r{i}", src[start:start + rng.randint(1, 40)], rng.randint(1, 8)))
+                if rng.random() < 0.7:
+                    ops.append(("prefill", f"r{i}"))
+                running.append(f"r{i}")
+                if rng.random() < 0.5:
+                    ops.append(("finish", running.pop(rng.randrange(len(running)))))
+            out.append(case(f"seeded case {k}", ops, B=B, num_blocks=rng.randint(4, 40), caching=rng.random() < 0.8))
+        return out
+    return Spec(lambda sched, r: sched.try_allocate(r), cases, run=drive, extra=extra)
 
 
 @_task
@@ -977,7 +1011,22 @@ def ex05_append_token() -> Spec:
         case("stop string and EOS", ["a", "b", "<eos>"], max_new_tokens=8, stop=("xyz",)),
         case("newline as a stop string", ["the", "\n", "end"], max_new_tokens=8, stop=("\n",)),
     ]
-    return Spec(lambda r, token, now: r.append_token(token, now), cases, run=drive)
+
+    def extra(rng):
+        out = []
+        for k in range(1, 5):
+            words = [rng.choice(ToyTokenizer.VOCAB) for _ in range(rng.randint(1, 10))]
+            params = {"max_new_tokens": rng.randint(1, 10)}
+            if rng.random() < 0.3:
+                params["ignore_eos"] = True
+            if rng.random() < 0.3:
+                params["stop_token_ids"] = tuple(rng.sample(range(1, len(ToyTokenizer.VOCAB)), rng.randint(1, 2)))
+            if rng.random() < 0.6:
+                params["stop"] = tuple(rng.sample(["STOP", "ab", "c", "b.", "\n", "the end", "a!", "ba", "OPa"],
+                                                  rng.randint(1, 2)))
+            out.append(case(f"seeded case {k}", words, **params))
+        return out
+    return Spec(lambda r, token, now: r.append_token(token, now), cases, run=drive, extra=extra)
 
 
 # ============================================================================== ex06: chunked prefill
@@ -1221,7 +1270,18 @@ def ex08_delta_chunks() -> Spec:
         case("chat: first and last at once, usage on", _delta("Hi", [2], True, "stop", 6, 1), True, True, True),
         case("chat: usage on, a middle delta", _delta(" goes", [6]), True, False, True),
     ]
-    return Spec(reference, cases)
+
+    def extra(rng):
+        out = []
+        for k in range(1, 5):
+            finished = rng.random() < 0.5
+            text = rng.choice(["", " the", "Hi", " king\n", "é!", " a b"])
+            delta = _delta(text, [rng.randrange(1000) for _ in range(rng.randint(0 if finished else 1, 3))], finished,
+                           rng.choice(["stop", "length"]) if finished else None, rng.randint(1, 50),
+                           rng.randint(1, 50))
+            out.append(case(f"seeded case {k}", delta, rng.random() < 0.5, rng.random() < 0.5, rng.random() < 0.5))
+        return out
+    return Spec(reference, cases, extra=extra)
 
 
 @_task
@@ -1350,7 +1410,18 @@ def ex09_column_parallel() -> Spec:
     cases = [Case(name, lambda i=i, o=o, b=b, n=n, k=k: (_linear_case(k, i, o, b), n, _randn(3, i, seed=k + 50)),
                   f"nn.Linear({i}, {o}, bias={b}), world_size={n}, x [3, {i}]")
              for k, (name, i, o, b, n) in enumerate(_SHARD_SHAPES)]
-    return Spec(reference, cases, run=drive)
+
+    def seeded(j, i, o, b, n, k):
+        return Case(f"seeded case {j}", lambda: (_linear_case(k, i, o, b), n, _randn(3, i, seed=k + 50)),
+                    f"nn.Linear({i}, {o}, bias={b}), world_size={n}, x [3, {i}]")
+    extra = lambda rng: [seeded(j, *_seeded_shape(rng)) for j in (1, 2, 3)]  # noqa: E731
+    return Spec(reference, cases, run=drive, extra=extra)
+
+
+def _seeded_shape(rng: random.Random) -> tuple[int, int, bool, int, int]:
+    """(in_features, out_features, bias, world_size, seed): the split features (`out_features`) divide."""
+    n = rng.choice([1, 2, 3, 4, 8])
+    return rng.randint(1, 32), n * rng.randint(1, 4), rng.random() < 0.5, n, rng.randrange(10**6)
 
 
 @_task
@@ -1368,7 +1439,12 @@ def ex09_row_parallel() -> Spec:
     cases = [Case(name, lambda i=i, o=o, b=b, n=n, k=k: (_linear_case(k, o, i, b), n, _randn(2, 3, o, seed=k + 60)),
                   f"nn.Linear({o}, {i}, bias={b}), world_size={n}, x [2, 3, {o}] split by features")
              for k, (name, i, o, b, n) in enumerate(_SHARD_SHAPES)]
-    return Spec(reference, cases, run=drive)
+
+    def seeded(j, i, o, b, n, k):
+        return Case(f"seeded case {j}", lambda: (_linear_case(k, o, i, b), n, _randn(2, 3, o, seed=k + 60)),
+                    f"nn.Linear({o}, {i}, bias={b}), world_size={n}, x [2, 3, {o}] split by features")
+    extra = lambda rng: [seeded(j, *_seeded_shape(rng)) for j in (1, 2, 3)]  # noqa: E731
+    return Spec(reference, cases, run=drive, extra=extra)
 
 
 @_task
@@ -1397,7 +1473,14 @@ def ex09_vocab_parallel_embedding() -> Spec:
     cases = [Case(name, lambda k=k, v=v, h=h, n=n, i=i: make(k, v, h, n, i),
                   f"nn.Embedding({v}, {h}), world_size={n}, ids {i}")
              for k, (name, v, h, n, i) in enumerate(specs)]
-    return Spec(reference, cases, run=drive)
+
+    def seeded(j, rng):
+        n = rng.choice([1, 2, 3, 4, 8])
+        v, h, k = rng.randint(n, 40), rng.randint(1, 8), rng.randrange(10**6)
+        width = rng.randint(1, 8)
+        ids = [[rng.randrange(v) for _ in range(width)] for _ in range(rng.randint(1, 3))]
+        return Case(f"seeded case {j}", lambda: make(k, v, h, n, ids), f"nn.Embedding({v}, {h}), world_size={n}, ids {ids}")
+    return Spec(reference, cases, run=drive, extra=lambda rng: [seeded(j, rng) for j in (1, 2, 3)])
 
 
 # ============================================================================== registry

@@ -27,8 +27,8 @@ and its own `minirt`: the tasks, their points and the source of every check cell
   other submissions are graded normally. Each submission is graded inside `try/except BaseException` under a
   watchdog: a failure of the grader itself is a row "grader error: ..." and the run goes on; a sandbox that
   cannot start is tried again once. Rows are appended to the CSV as they are graded.
-* Besides the public cases of the check cells, tasks with a generator in `checks.EXTRA_CASES` are graded on
-  extra cases drawn from `--seed` (default: a random one, written to OUT.seed).
+* Besides the public cases of the check cells, every task is graded on extra cases drawn from `--seed`
+  (`checks.extra_cases`; default: a random one, written to OUT.seed).
 
 The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)` runs them standalone.
 """

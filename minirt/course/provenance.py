@@ -20,9 +20,9 @@ magics, never running or importing anything it names) for notes and hints on top
 * `judge_identity(info, task)` reads what the worker reported about the object it took; the worker runs the
   student's code, so its report is a warning only.
 
-What none of this catches: the reference's source copied by hand under another name, and a helper process forked
-before the task's cases start (it keeps an unblocked copy of the reference). A table of the public cases' answers
-fails the grader's seeded extra cases (`checks.EXTRA_CASES`) for the tasks that have them.
+What none of this catches: the reference's source copied by hand under another name, and, with `--sandbox none`
+only, a helper process forked before the task's cases start (elsewhere the worker kills its uid's other processes
+first). A table of the public cases' answers fails the grader's seeded extra cases (`checks.extra_cases`).
 """
 
 from __future__ import annotations
