@@ -180,6 +180,7 @@ class Engine:
             "num_running": len(self.running_requests),
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_preempted_recomputed_tokens": self.scheduler.num_preempted_recomputed_tokens,
             "prefix_cache_queries": self.prefix_cache.queries,
             "prefix_cache_hits": self.prefix_cache.hits,
             "failed": self._failure,
