@@ -97,7 +97,8 @@ class Engine:
 
     Use it as an async context manager (`async with engine:` starts and stops the loop), then
     `await engine.generate(prompt, params)` or `async for delta in engine.stream(prompt, params)`.
-    Raises ValueError (naming the field) for bad settings here and bad requests at submission.
+    Raises ValueError (naming the field) for bad settings here and bad requests at submission. A text prompt is
+    tokenized with the tokenizer's defaults, `tokenizer(text)` (a BOS if it adds one), as vLLM does.
 
     This is chapter 05's engine: chapter 05's `ModelRunner` (`build_model_runner`), chapter 06's `Scheduler`
     (`build_scheduler`), one decode step per engine step (`choose_step` returns `step`), one process. It reads no
@@ -180,6 +181,7 @@ class Engine:
             "num_running": len(self.running_requests),
             "num_steps": self.num_steps,
             "num_preemptions": self.scheduler.num_preemptions,
+            "num_preempted_recomputed_tokens": self.scheduler.num_preempted_recomputed_tokens,
             "prefix_cache_queries": self.prefix_cache.queries,
             "prefix_cache_hits": self.prefix_cache.hits,
             "failed": self._failure,
@@ -218,7 +220,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this checkpoint has no tokenizer; pass token ids (a list of int)")
-            return prompt, self.tokenizer.encode(prompt, add_special_tokens=False, verbose=False)
+            return prompt, self.tokenizer.encode(prompt, verbose=False)   # its defaults: a BOS if it adds one
         if isinstance(prompt, (list, tuple)):
             kinds = set(map(type, prompt))            # ints, and no bool (a subclass of int): checked per type
             if bool not in kinds and all(issubclass(kind, int) for kind in kinds):

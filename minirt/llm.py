@@ -62,6 +62,8 @@ class LLM:
                  ) -> list[RequestOutput]:
         """Generate for every prompt; returns one `RequestOutput` per prompt, in prompt order.
 
+        prompts: text, tokenized as the checkpoint's tokenizer does by default (`tokenizer(text)`, a BOS
+        included if it adds one, as in vLLM), or lists of token ids, taken as they are.
         sampling_params: one for all prompts, or a list with one per prompt. Every request is validated
         before any runs, so a bad one raises ValueError (naming the field) and nothing is submitted. A failed
         step (device out of memory, say) ends every request of the call with finish_reason "error", as in the

@@ -144,19 +144,24 @@ class Request:
 
     # ------------------------------------------------------------------ decode bookkeeping
     def append_token(self, token_id: int, now: float) -> None:
-        """Add one sampled token, then decide whether the request is done (sets `finish_reason`)."""
+        """Add one sampled token, then decide whether the request is done (sets `finish_reason`).
+
+        Every token's text is searched for stop strings, whatever else ends the request with it, and `text` is
+        cut before the earliest one: text never contains a stop string. `finish_reason` is "stop" for EOS, a
+        stop id or a stop string, and "length" (the `max_new_tokens`-th token) only if none of these.
+        """
         self.token_ids.append(token_id)
         if self.first_token_time is None:
             self.first_token_time = now
         self.last_token_time = now
         self.token_times.append(now)
         p = self.params
-        if token_id in self._stop_ids:
-            self.finish_reason = "stop"
         if (p.stop or self.stream is not None) and self.tokenizer is not None:
             self._detokenize(token_id)
-            if p.stop and self.finish_reason is None:
+            if p.stop:
                 self._check_stop_strings()
+        if token_id in self._stop_ids:
+            self.finish_reason = "stop"
         if self.finish_reason is None and self.num_output_tokens >= p.max_new_tokens:
             self.finish_reason = "length"
 

@@ -83,6 +83,7 @@ class Scheduler:
         self.prefilling_requests: list[Request] = []
         self.running_requests: list[Request] = []
         self.num_preemptions = 0
+        self.num_preempted_recomputed_tokens = 0   # tokens prefilled again after a preemption
         # vLLM's watermark: admission leaves ~1% of the pool free for running decodes, to avoid thrashing.
         self.watermark_blocks = pool.num_blocks // 100
 
@@ -98,6 +99,8 @@ class Scheduler:
 
         Known tokens are the prompt, plus the output so far for a preempted request: all are prefilled.
         Outside an empty engine, `watermark` blocks stay free so running requests can still decode.
+        `num_cached_tokens` and the prefix-cache counters count the first admission only (vLLM's
+        `num_cached_tokens` too): a preempted request's recomputation goes to `num_preempted_recomputed_tokens`.
         """
         B = self.config.block_size
         hits = self.prefix_cache.match(request.token_ids)
@@ -110,10 +113,14 @@ class Scheduler:
         for b in hits:
             self.pool.acquire(b)
         request.block_table = hits + [self.pool.allocate() for _ in range(total - len(hits))]
-        request.num_computed_tokens = request.num_cached_tokens = len(hits) * B
+        request.num_computed_tokens = len(hits) * B
         request.num_registered_blocks = len(hits)
         request.num_prefill_tokens = len(request.token_ids)
-        self.prefix_cache.record(len(request.token_ids), request.num_cached_tokens)
+        if request.num_preemptions == 0:       # the prompt's hits count once, at its first admission
+            request.num_cached_tokens = request.num_computed_tokens
+            self.prefix_cache.record(len(request.token_ids), request.num_cached_tokens)
+        else:                                  # re-admission after preemption: recomputation, counted apart
+            self.num_preempted_recomputed_tokens += len(request.token_ids) - request.num_computed_tokens
         return True
 
     def ensure_decode_slot(self, request: Request) -> bool:

@@ -74,3 +74,34 @@ def test_preempted_request_goes_to_the_head_of_the_waiting_queue(tiny_models):
     llm.engine.step_callbacks.append(check)
     llm.generate(prompts, minirt.SamplingParams(max_new_tokens=20, ignore_eos=True))
     assert seen and all(seen)
+
+
+def test_cached_token_counters_count_the_first_admission_only(tiny_models):
+    """A preempted request's recomputed tokens are not prefix-cache hits: `num_cached_tokens` is what the cache
+    held when the prompt was first admitted (seen by matching just before that admission), and every prompt is
+    queried once."""
+    shared = random_prompts(8, [9])[0]
+    prompts = [shared + p for p in random_prompts(9, [3, 14, 1, 8, 20, 5])] + random_prompts(10, [5, 17])
+    llm = minirt.LLM(tiny_models["qwen3"], block_size=4, num_kv_blocks=16, max_num_batched_tokens=16,
+                     max_prefill_chunk=7, dtype="float32")
+    sched = llm.engine.scheduler
+    first_hits, original = {}, sched.try_allocate
+
+    def try_allocate(request):
+        hits = len(sched.prefix_cache.match(request.token_ids)) * sched.config.block_size
+        admitted = original(request)
+        if admitted and request.request_id not in first_hits:
+            first_hits[request.request_id] = hits
+        return admitted
+
+    sched.try_allocate = try_allocate
+    outs = llm.generate(prompts, minirt.SamplingParams(max_new_tokens=N, ignore_eos=True))
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0, "the pool was meant to be too small for all requests at once"
+    for prompt, out in zip(prompts, outs):
+        assert out.num_cached_tokens <= len(prompt)
+        assert out.num_cached_tokens == first_hits[out.request_id]
+    assert any(first_hits.values()), "the shared prefix was meant to be hit"
+    assert stats["prefix_cache_queries"] == sum(map(len, prompts))
+    assert stats["prefix_cache_hits"] == sum(o.num_cached_tokens for o in outs)
+    assert stats["num_preempted_recomputed_tokens"] > 0

@@ -1,5 +1,6 @@
 """Stopping: max_new_tokens, stop strings, stop token ids and EOS; finish_reason and text."""
 
+import dataclasses
 import json
 import shutil
 
@@ -128,3 +129,49 @@ def test_eos_from_config_in_kv_cache_generate(eos_model):
     path, prompt, ref, eos = eos_model
     model, _ = minirt.load_model(path, device="cpu")
     assert kv_cache_generate(model, [prompt], 12, eos_token_id=eos)[0] == ref[:ref.index(eos) + 1]
+
+
+# A stop id that also completes a stop string: "ROMEO:" continues "\nBut I have heard that, ..." and " heard" is one
+# token, so stop=["e "] ends inside the token that is also the stop id. The text is cut at the stop string anyway.
+def _stop_id_completes_stop_string(default_llm, reference):
+    tok = default_llm.engine.tokenizer
+    heard = tok.encode(" heard", add_special_tokens=False)
+    ids, text = reference
+    if len(heard) == 1 and heard[0] in ids and "e " in tok.decode(ids[:ids.index(heard[0]) + 1]):
+        stop_id, stop = heard[0], "e "
+    else:   # the same situation built from the model's own output: a string ending inside a stop id's text
+        k = next(k for k in range(1, len(ids)) if len(tok.decode(ids[k:k + 1])) >= 2 and ids[k] not in ids[:k])
+        before = tok.decode(ids[:k])
+        stop_id, stop = ids[k], before[-1] + tok.decode(ids[:k + 1])[len(before)]
+    k = ids.index(stop_id)
+    prefix = tok.decode(ids[:k + 1])
+    cut = prefix.find(stop)
+    assert 0 <= cut and cut + len(stop) > len(tok.decode(ids[:k])), "the stop string must end inside the stop id"
+    params = minirt.SamplingParams(max_new_tokens=48, ignore_eos=True, stop=[stop], stop_token_ids=[stop_id])
+    return params, ids[:k + 1], prefix[:cut], stop
+
+
+@pytest.mark.parametrize("max_new_tokens", [48, "at the stop id"])
+def test_stop_string_completed_by_a_stop_id(default_llm, reference, max_new_tokens):
+    params, ids, text, stop = _stop_id_completes_stop_string(default_llm, reference)
+    if max_new_tokens != 48:     # the stop id is also the last allowed token: still "stop", text still cut
+        params = dataclasses.replace(params, max_new_tokens=len(ids))
+    out = default_llm.generate(PROMPT, params)[0]
+    assert out.finish_reason == "stop" and list(out.token_ids) == ids
+    assert out.text == text and stop not in out.text
+
+
+def test_stop_string_completed_by_a_stop_id_streamed(default_model, default_llm, reference):
+    import asyncio
+
+    params, ids, text, stop = _stop_id_completes_stop_string(default_llm, reference)
+
+    async def main():
+        async with minirt.Engine(default_model, dtype="float32", device="cpu") as engine:
+            return [d async for d in engine.stream(PROMPT, params)]
+
+    deltas = asyncio.run(main())
+    final = deltas[-1]
+    assert final.finished and final.finish_reason == "stop" and final.output.text == text
+    assert "".join(d.text for d in deltas) == text and stop not in text
+    assert [t for d in deltas for t in d.token_ids] == ids

@@ -1010,6 +1010,10 @@ def ex05_append_token() -> Spec:
              max_new_tokens=4, stop=("STOP",)),
         case("stop string and EOS", ["a", "b", "<eos>"], max_new_tokens=8, stop=("xyz",)),
         case("newline as a stop string", ["the", "\n", "end"], max_new_tokens=8, stop=("\n",)),
+        case("a stop id completes a stop string: the text is still cut", ["the", " ", "a", "!", "b"], max_new_tokens=8,
+             stop=("a!",), stop_token_ids=(V["!"],)),
+        case("the last allowed token completes a stop string", ["ST", "a", "ST", "OP", "b"], max_new_tokens=4,
+             stop=("STOP",)),
     ]
 
     def extra(rng):

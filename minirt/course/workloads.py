@@ -159,7 +159,7 @@ def shared_prefix_prompts(tokenizer, n: int, prefix: str = PROLOGUE) -> list[lis
     Built as `prefix ids + suffix ids`, so the shared part is token-for-token identical (tokenizing
     the concatenated text could merge tokens across the boundary).
     """
-    head = tokenizer.encode(prefix, add_special_tokens=False)
+    head = tokenizer.encode(prefix)              # a prompt's start: the tokenizer's own special tokens (a BOS)
     return [head + tokenizer.encode(f"{SPEAKERS[i % len(SPEAKERS)]}.\n", add_special_tokens=False)
             for i in range(n)]
 

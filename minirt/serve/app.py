@@ -162,7 +162,9 @@ def build_app(engine, model_name: str | None = None, model_path: str | None = No
                                                    add_generation_prompt=True)
         except Exception as e:      # noqa: BLE001 - a template may refuse a conversation (roles out of order, ...)
             raise RequestError("messages", f"messages: the model's chat template refused them ({e})") from None
-        return await _serve(state, raw, body, prompt, chat=True)
+        # The template writes its own special tokens (a BOS): encoded without adding them again, as vLLM does.
+        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        return await _serve(state, raw, body, ids, chat=True)
 
     return app
 
