@@ -102,9 +102,10 @@ def check_devices(device: torch.device, world_size: int) -> int:
 def build_tensor_parallel_runner(world_size: int, plan, model: DecoderModel, num_kv_blocks: int, block_size: int,
                                  max_num_seqs: int, max_model_len: int) -> TensorParallelRunner:
     """The engine's runner for `tensor_parallel_size = world_size` (`TensorParallelEngine.build_model_runner`;
-    `minirt.fast.build_model_runner`'s sibling, with the same arguments after `world_size`): spawn ranks 1..N-1, each loading the checkpoint `model` came from, and
-    keep rank 0's shard of `model` (sharded in place). On the CPU the ranks talk over gloo, on CUDA over NCCL
-    (rank r on cuda:first + r, first being `model`'s device).
+    `minirt.fast.build_model_runner`'s sibling, with the same arguments after `world_size`): start ranks 1..N-1
+    (`RankGroup.start`), each loading the checkpoint `model` came from, and keep rank 0's shard of `model` (sharded
+    in place). On the CPU the ranks talk over gloo, on CUDA over NCCL (rank r on cuda:first + r, first being
+    `model`'s device).
 
     Raises ValueError naming tensor_parallel_size when heads, KV heads or MLP channels do not divide or GPUs are
     missing; RuntimeError if a rank fails to start (its own error quoted)."""

@@ -2,16 +2,19 @@
 
 The engine's own process is rank 0: it owns the scheduler, the event loop and the sampling, as in nano-vllm
 (whose `ModelRunner` is rank 0 in the engine's process and spawns the others). The other ranks are processes
-started with `torch.multiprocessing`'s spawn (`start_ranks`); each loads the checkpoint, keeps its shard and
-waits in `serve` for steps. A step reaches them through `torch.distributed` collectives on a gloo (CPU) group:
-a fixed header, then one int64 tensor with the packed batch (`pack_step` / `unpack_step`). mini-sglang keeps such
-a gloo CPU group beside NCCL for the same reason: metadata lives on the host, and a gloo wait can be long.
+started as clean interpreters running the rank's own entry point (`RankProcess`: `python -m minirt.parallel.rank`),
+so they never re-run the parent's main module and start however the parent was started (a script without a
+`__main__` guard, standard input, `python -c`, a notebook kernel); each reads its `RankSpec` from rank 0's TCP store,
+loads the checkpoint, keeps its shard and waits in `serve` for steps. A step reaches them through
+`torch.distributed` collectives on a gloo (CPU) group: a fixed header, then one int64 tensor with the packed batch
+(`pack_step` / `unpack_step`). mini-sglang keeps such a gloo CPU group beside NCCL for the same reason: metadata
+lives on the host, and a gloo wait can be long.
 
 Two groups: the default one (gloo on the CPU, NCCL on GPUs) runs the model's all-reduces with the *step timeout*
 (`MINIRT_TP_TIMEOUT_S`, default 60 s): a rank that dies or hangs in a step turns into an error on the others
 within it. The control group (gloo) carries the steps with a long timeout, since an idle engine may send none
 for hours; a rank that waits there and loses rank 0 (its process died) fails at once on the closed connection, and
-a watchdog thread ends it when its parent process is gone.
+a watchdog thread ends it when its parent process is gone (its stdin, a pipe from rank 0, closes).
 """
 
 from __future__ import annotations
@@ -20,15 +23,19 @@ import datetime
 import itertools
 import logging
 import os
+import pickle
 import re
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from minirt.model_runner import StepInputs
 
@@ -42,6 +49,9 @@ STARTUP_TIMEOUT_S = float(os.environ.get("MINIRT_TP_STARTUP_TIMEOUT_S", "600"))
 IDLE_TIMEOUT = datetime.timedelta(days=365)
 #: Seconds `RankGroup.close` waits for each rank to exit before killing it.
 JOIN_TIMEOUT_S = 10.0
+
+#: A rank's last line on its stderr when it fails: this prefix, then its error.
+ERROR_MARK = "minirt-rank-error: "
 
 STOP, STEP = 0, 1
 HEADER = 7        # command, num_tokens, num_seqs, num_sampled, max_query_len, num_block_entries, payload length
@@ -151,29 +161,30 @@ def join_groups(spec: RankSpec, rank: int, store) -> object:
 
 
 def _watch_parent() -> None:
-    """End this process when its parent (rank 0) is gone, whatever this process is blocked in."""
-    parent = mp.parent_process()
-    if parent is None:
-        return
+    """End this process when its parent (rank 0) is gone, whatever this process is blocked in: its stdin is a pipe
+    from the parent, which the system closes when the parent exits."""
 
     def watch():
-        parent.join()
+        while os.read(0, 1):          # the raw descriptor: a daemon thread in sys.stdin's buffer aborts the exit
+            pass
         os._exit(3)
 
     threading.Thread(target=watch, name="minirt-parent-watchdog", daemon=True).start()
 
 
-def rank_main(rank: int, spec: RankSpec, errors) -> None:
-    """The body of ranks 1..N-1: join, build the rank's runner, serve steps until the stop command. Any error is
-    reported on `errors` (rank, message) and ends the process with exit code 1, which the others see as a closed
+def rank_main(host: str, port: int, rank: int, world_size: int) -> None:
+    """The body of ranks 1..N-1 (`python -m minirt.parallel.rank`): read the `RankSpec` from rank 0's store, join,
+    build the rank's runner, serve steps until the stop command. Any error is written as the last line of stderr
+    (`ERROR_MARK`, then the error) and ends the process with exit code 1, which the others see as a closed
     connection in their next collective."""
     _watch_parent()
     try:
+        store = dist.TCPStore(host, port, world_size, is_master=False,
+                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
+        spec: RankSpec = pickle.loads(store.get("spec"))
         torch.set_num_threads(spec.num_threads)
         if spec.device == "cuda":
             torch.cuda.set_device(spec.device_of(rank))
-        store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=False,
-                              timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S))
         store.set(f"joined/{rank}", "1")
         control = join_groups(spec, rank, store)
         from minirt.parallel.runner import build_rank_runner
@@ -183,11 +194,64 @@ def rank_main(rank: int, spec: RankSpec, errors) -> None:
         runner.serve()
     except BaseException as e:             # noqa: BLE001 - report, then end this rank
         try:
-            errors.put((rank, f"{type(e).__name__}: {e}"))
+            traceback.print_exc()
+            message = f"{type(e).__name__}: {e}".replace("\n", " ")
+            print(ERROR_MARK + message, file=sys.stderr, flush=True)
         finally:
             os._exit(1)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+class RankProcess:
+    """One rank's process: `python -m minirt.parallel.rank HOST PORT RANK WORLD_SIZE`, a clean interpreter with the
+    directory holding this `minirt` first on its path. Its stdin is a pipe from this process (`_watch_parent`); its
+    stderr goes to a temporary file, read back by `report`. `pid`, `exitcode`, `is_alive`, `join` and `kill` as a
+    `multiprocessing.Process`."""
+
+    def __init__(self, spec: RankSpec, rank: int):
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        self.stderr = tempfile.TemporaryFile()
+        self.popen = subprocess.Popen(
+            [sys.executable, "-m", "minirt.parallel.rank", spec.host, str(spec.port), str(rank), str(spec.world_size)],
+            stdin=subprocess.PIPE, stderr=self.stderr, env={**os.environ, "PYTHONPATH": path})
+        self.pid = self.popen.pid
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.popen.poll()
+
+    def is_alive(self) -> bool:
+        return self.exitcode is None
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.popen.kill()
+
+    def report(self) -> str | None:
+        """The rank's own error: the line it reported (`ERROR_MARK`), else, once it has exited, the last line of its
+        stderr (an error raised before its handler, a crash)."""
+        if self.stderr.closed:
+            return None
+        fd = self.stderr.fileno()
+        size = os.fstat(fd).st_size
+        tail = os.pread(fd, 8192, max(0, size - 8192)).decode(errors="replace")   # pread: the rank's offset stays
+        lines = [line.strip() for line in tail.splitlines() if line.strip()]
+        reported = [line.removeprefix(ERROR_MARK) for line in lines if line.startswith(ERROR_MARK)]
+        if reported:
+            return reported[-1]
+        return lines[-1] if lines and self.exitcode is not None else None
+
+    def release(self) -> None:
+        """Close the pipe and the stderr file (after the process has ended: a closed pipe ends a live rank)."""
+        self.popen.stdin.close()
+        self.stderr.close()
 
 
 def short_message(exc: BaseException) -> str:
@@ -200,32 +264,28 @@ def short_message(exc: BaseException) -> str:
 class RankGroup:
     """Rank 0's handle on the other ranks: their processes, the TCP store, the control group, and what went wrong.
 
-    `start` spawns ranks 1..N-1 and joins the groups with them; `check` raises if one has exited; `fail` turns an
-    error of a step into one that names the ranks' own errors and exit codes, and closes the group; `close` sends
-    the stop command, joins every rank (killing any that does not exit within `JOIN_TIMEOUT_S`) and destroys the
-    process groups. Idempotent, also called at interpreter exit or when the engine is garbage-collected."""
+    `start` starts ranks 1..N-1 (`RankProcess`) and joins the groups with them; `check` raises if one has exited;
+    `fail` turns an error of a step into one that names the ranks' own errors and exit codes, and closes the group;
+    `close` sends the stop command, joins every rank (killing any that does not exit within `JOIN_TIMEOUT_S`) and
+    destroys the process groups. Idempotent, also called at interpreter exit or when the engine is garbage-collected."""
 
     def __init__(self, spec: RankSpec):
         self.spec = spec
-        self.processes: list = []
+        self.processes: list[RankProcess] = []
         self.control = None
         self.store = None
         self.failure: str | None = None
         self.closed = False
         self.joined = False          # this group initialized torch.distributed here (and destroys it on close)
-        self._errors = mp.get_context("spawn").SimpleQueue()
 
     def start(self) -> object:
-        """Spawn the ranks and join the groups as rank 0; returns the control group. Raises RuntimeError naming a rank
-        that exits or the startup timeout."""
+        """Start the ranks (the spec waits for them in the store) and join the groups as rank 0; returns the control
+        group. Raises RuntimeError if a rank exits or the startup timeout passes."""
         spec = self.spec
         self.store = dist.TCPStore(spec.host, spec.port, spec.world_size, is_master=True,
                                    timeout=datetime.timedelta(seconds=STARTUP_TIMEOUT_S), wait_for_workers=False)
-        ctx = mp.get_context("spawn")
-        for rank in range(1, spec.world_size):
-            p = ctx.Process(target=rank_main, args=(rank, spec, self._errors), name=f"minirt-rank-{rank}", daemon=True)
-            p.start()
-            self.processes.append(p)
+        self.store.set("spec", pickle.dumps(spec))
+        self.processes = [RankProcess(spec, rank) for rank in range(1, spec.world_size)]
         self.wait_for("joined")
         self.control = join_groups(spec, 0, self.store)
         self.joined = True
@@ -236,20 +296,18 @@ class RankGroup:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for rank in range(1, self.spec.world_size):
             while not self.store.check([f"{what}/{rank}"]):
-                self.check()
+                if self.exited():
+                    raise RuntimeError("a rank exited while starting")
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"tensor_parallel_size: rank {rank} did not start within "
                                        f"{STARTUP_TIMEOUT_S:.0f} s (MINIRT_TP_STARTUP_TIMEOUT_S)")
                 time.sleep(0.05)
 
     def errors(self, wait_s: float = 0.0) -> list[str]:
-        """The ranks' reports of their own errors, waiting up to `wait_s` for a first one."""
+        """The ranks' reports of their own errors (`RankProcess.report`), waiting up to `wait_s` for a first one."""
         deadline = time.monotonic() + wait_s
-        out = []
         while True:
-            while not self._errors.empty():
-                rank, message = self._errors.get()
-                out.append(f"rank {rank}: {message}")
+            out = [f"rank {i + 1}: {m}" for i, p in enumerate(self.processes) if (m := p.report()) is not None]
             if out or time.monotonic() >= deadline:
                 return out
             time.sleep(0.05)
@@ -292,6 +350,7 @@ class RankGroup:
             if p.is_alive():
                 p.kill()
                 p.join(JOIN_TIMEOUT_S)
+            p.release()
         if self.joined and dist.is_initialized():
             try:
                 dist.destroy_process_group()
