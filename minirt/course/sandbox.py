@@ -185,8 +185,12 @@ class Worker:
         if kind == "bwrap":
             argv = bwrap_command(argv, self.folder, self.uid, limits.tmp_bytes)
         preexec = self._preexec
-        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     cwd=str(self.folder), env=env, preexec_fn=preexec, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                         cwd=str(self.folder), env=env, preexec_fn=preexec, start_new_session=True)
+        except BaseException:                 # no worker to clean up later: its folder goes now
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
 
     def _preexec(self) -> None:              # in the child, before exec
         if self.kind == "user":
