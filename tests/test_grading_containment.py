@@ -155,6 +155,25 @@ def test_a_grader_error_or_hang_costs_one_row_only(tmp_path, monkeypatch):
     assert rows_of(out)["hangs_grader"]["total"] == "0"
 
 
+def test_a_grader_error_once_is_graded_again(tmp_path, monkeypatch):
+    """The grader failing once on a submission is its own fault: the submission is graded once more and keeps its
+    marks, and the row's warnings say that it was graded twice and why."""
+    path = write(tmp_path, "honest")
+    real, calls = grading.run_submission, []
+
+    def once(nb, *args, **kw):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("the grader tripped")
+        return real(nb, *args, **kw)
+
+    monkeypatch.setattr(grading, "run_submission", once)
+    (row,) = grading.grade([path], timeout=20, verbose=False, sandbox="none")
+    assert len(calls) == 2
+    assert (row["total"], row["notes"], row["status"]) == (4, {}, "finished")
+    assert "graded twice" in row["warnings"] and "the grader tripped" in row["warnings"], row["warnings"]
+
+
 def test_worker_messages_are_validated_before_use():
     from minirt.course import wire
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import contextlib
-import warnings
 from pathlib import Path
 
 import nbformat
@@ -179,9 +178,5 @@ def test_honest_unusual_code_scores_full_marks(tmp_path):
     assert row["scores"] == {"ex06.split_budget": 1.0, "ex06.schedule": 3.0}, row["notes"]
     assert row["notes"] == {} and row["status"] == "finished"
     assert "get_ipython" in row["warnings"]                      # the magic, read after IPython's transformation
-    if row03["status"].startswith("grader error"):
-        # The grader's own failure (a row with no score, never a verdict on the code): graded once more, alone,
-        # and said in the test's output. Seen once in a full CI run beside ex06, not reproduced alone.
-        warnings.warn(f"honest ex03 first graded as {row03['status']!r}; graded again alone")
-        (row03,) = grading.grade([_honest_ex03(tmp_path)], timeout=60, verbose=False, jobs=1, seed=1234)
     assert row03["total"] == row03["max"] == 5 and row03["notes"] == {}, (row03["status"], row03["notes"])
+    assert row03["status"] == "finished", row03["status"]

@@ -47,6 +47,7 @@ import select
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -626,6 +627,7 @@ def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFA
     lock = threading.Lock()
     sink = CsvSink(out_csv, _columns_of(paths, specs), specs) if out_csv is not None else None
     limit = wall_timeout + WATCHDOG_MARGIN
+    _import_references(specs)
 
     def one(path: Path) -> dict:
         with lock:
@@ -634,10 +636,23 @@ def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFA
         box: dict = {}
 
         def work() -> None:
-            try:
-                box["row"] = _grade_one(path, specs, expectations, kind, slot, timeout, wall_timeout, limits, holder)
-            except BaseException as e:  # noqa: BLE001 - the grader's own failure: this row only, never the run
-                box["row"] = _error_row(path, specs, kind, f"grader error: {type(e).__name__}: {str(e)[:200]}")
+            first = None
+            for _ in range(2):          # the grader's own failure is never the student's: graded once more
+                try:
+                    box["row"] = _grade_one(path, specs, expectations, kind, slot, timeout, wall_timeout, limits,
+                                            holder)
+                except BaseException as e:  # noqa: BLE001 - the grader's own failure: this row only, never the run
+                    why = f"{type(e).__name__}: {str(e)[:200]}"
+                    print(f"grader error on {path}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+                    box["row"] = _error_row(path, specs, kind, f"grader error: {why}")
+                    if first is None:
+                        first = why
+                        continue
+                if first is not None:
+                    row = box["row"]
+                    row["warnings"] = "; ".join(w for w in (row.get("warnings"), f"graded twice: the first run "
+                                                            f"failed in the grader ({first})") if w)
+                return
 
         thread = threading.Thread(target=work, name=f"grade {path.name}", daemon=True)
         thread.start()
@@ -668,6 +683,18 @@ def grade(paths, out_csv: str | os.PathLike | None = None, timeout: float = DEFA
     if sink is not None:
         sink.finish(rows)
     return rows
+
+
+def _import_references(specs) -> None:
+    """Import every graded task's reference module in this thread, before the grading threads start: two threads
+    importing the same modules for the first time can see one half-initialised (Python's import locks are per
+    module), and that would fail a submission for a reason that is the grader's."""
+    from minirt.course import checks, provenance
+
+    for task_specs in specs.values():
+        for s in task_specs:
+            if s.task in checks.SPECS:
+                provenance.reference_objects(s.task)
 
 
 def _error_row(path: Path, specs, kind: str, status: str) -> dict:
