@@ -66,6 +66,16 @@ def _one_row_early(m, inputs, outcome):
     return any(r[-1] == eos and len(r) < n for r in rows) and any(len(r) == n and eos not in r for r in rows)
 
 
+def _per_row_positions(m, inputs, outcome):
+    """Rows with different pad counts, and each row's recorded positions run 0, 1, ... over its prompt and the
+    tokens fed back (every generated token but the last)."""
+    prompts, n, _, _ = inputs
+    value = outcome[1]
+    return len({len(p) for p in prompts}) >= 2 and all(
+        pos == list(range(len(p) + len(toks) - 1)) and len(toks) == n
+        for p, pos, toks in zip(prompts, value["positions"], value["tokens"], strict=True))
+
+
 def _span(inputs):
     _, start, end, B = inputs
     return end - start, B, start
@@ -141,6 +151,7 @@ RULES = [
     ("ex0", r"^EOS (?:produced )?at the first step", _eos_first_step),
     ("ex0", r"^EOS never produced", _eos_never),
     ("ex02.kv_cache_generate", r"^EOS ends one row early, others go on", _one_row_early),
+    ("ex02.kv_cache_generate", r"^per-row positions: rows with different pad counts", _per_row_positions),
     ("ex03.slot_mapping", r"^block boundary B([+-]1)?$", _boundary),
     ("ex03.slot_mapping", r"^exactly one block$", lambda m, i, o: _span(i) == (i[3], i[3], 0)),
     ("ex03.slot_mapping", r"^empty range", lambda m, i, o: _span(i)[0] == 0),

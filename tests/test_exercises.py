@@ -5,6 +5,7 @@ with a message that names the case."""
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import pkgutil
 import subprocess
@@ -318,18 +319,23 @@ def _right_pad(prompts, pad_id=0):
     return ids, mask
 
 
-def _kv_cache_generate_attending_to_padding(model, prompts, max_new_tokens, eos_token_id=None):
-    """Wrong: announces every column as a real token, so rows attend to their left padding."""
+def _kv_cache_generate_wrong(model, prompts, max_new_tokens, eos_token_id=None, *, pad_is_real=False,
+                             column_positions=False):
+    """A static-batch loop with one planted bug: `pad_is_real` announces every column as a real token (rows attend
+    to their left padding); `column_positions` gives every row the column indices `arange(T)` as positions (a
+    left-padded row's first real token sits at its pad count, not 0: RoPE sees only distances, so the tokens
+    stay the reference's)."""
     from minirt.generate import ContiguousKVCache, left_pad
 
     ids, mask = (t.to(model.device) for t in left_pad(prompts))
     B, T = ids.shape
     cache = ContiguousKVCache(model, B, T + max_new_tokens)
-    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions = (torch.arange(T, device=model.device)[None].repeat(B, 1) if column_positions
+                 else (mask.cumsum(-1) - 1).clamp(min=0))
     out, done = [[] for _ in range(B)], [False] * B
     with torch.inference_mode():
         for _ in range(max_new_tokens):
-            cache.append(torch.ones_like(mask))
+            cache.append(torch.ones_like(mask) if pad_is_real else mask)
             nxt = model.compute_logits(model(ids, positions, attn=cache)[:, -1]).argmax(-1)
             for i, t in enumerate(nxt.tolist()):
                 if not done[i]:
@@ -340,6 +346,10 @@ def _kv_cache_generate_attending_to_padding(model, prompts, max_new_tokens, eos_
             ids, positions = nxt[:, None], positions[:, -1:] + 1
             mask = torch.ones(B, 1, dtype=torch.long, device=model.device)
     return out
+
+
+_kv_cache_generate_attending_to_padding = functools.partial(_kv_cache_generate_wrong, pad_is_real=True)
+_kv_cache_generate_column_positions = functools.partial(_kv_cache_generate_wrong, column_positions=True)
 
 
 def _paged_attention_without_causal_mask(q, k_cache, v_cache, meta):
@@ -413,6 +423,7 @@ WRONG = [
      lambda model, p, n, eos=None: importlib.import_module("minirt.generate").naive_generate(model, p, n), "EOS"),
     ("ex02.left_pad", lambda prompts, pad_id=0: _right_pad(prompts, pad_id), "two lengths"),
     ("ex02.kv_cache_generate", _kv_cache_generate_attending_to_padding, "max_new_tokens=1"),
+    ("ex02.kv_cache_generate", _kv_cache_generate_column_positions, "'per-row positions"),
     ("ex03.slot_mapping", lambda table, start, end, B: [table[p // B] * B + p % B for p in range(start, end - 1)],
      "one token"),
     ("ex03.block_pool", _wrong_block_pool(), "in order"),
@@ -445,6 +456,22 @@ def test_checker_catches_a_wrong_implementation(task, wrong, case_words, capsys)
     assert case_words in message, message
     assert "inputs:" in message and "expected" in message, message
     assert capsys.readouterr().out == ""          # no PASS line, no noise
+
+
+def test_column_index_positions_generate_the_reference_tokens_and_fail_on_positions(capsys):
+    """Oracle: the reference `kv_cache_generate`. Column-index positions shift each left-padded row by its pad count;
+    RoPE sees only distances, so the tokens agree with the reference's, and only the recorded positions tell."""
+    from minirt.generate import kv_cache_generate
+
+    model = checks.tiny_model()
+    prompts = checks._prompts(40, [3, 11, 7, 1])
+    assert _kv_cache_generate_column_positions(model, prompts, 4) == kv_cache_generate(model, prompts, 4)
+    with pytest.raises(CheckFailed) as info:
+        checks.ex02_kv_cache_generate(_kv_cache_generate_column_positions)
+    msg = str(info.value)
+    assert "'per-row positions: rows with different pad counts" in msg, msg
+    assert "result['positions'][0][0]: expected 0, got 8" in msg, msg       # row 0: 3 tokens after 8 pads
+    assert capsys.readouterr().out == ""
 
 
 def test_off_by_one_slot_mapping_names_the_case_expected_and_got():

@@ -504,12 +504,19 @@ def ex02_kv_cache_generate() -> Spec:
             else "")
         return Case(name, lambda: (copy.deepcopy(prompts), n, eos), show)
 
+    def positions_case(name, prompts, n):
+        show = (f"prompts of lengths {[len(q) for q in prompts]}, max_new_tokens={n}, eos_token_id=None; compared: "
+                "the positions the model is given for each row's real tokens (prompt, then each generated token)")
+        return Case(name, lambda: (copy.deepcopy(prompts), n, None, "record positions"), show)
+
     cases = [
         case("one prompt", _prompts(31, [6]), 6),
         case("one one-token prompt", _prompts(32, [1]), 4),
         case("max_new_tokens=1", _prompts(33, [3, 5]), 1),
         case("equal lengths", _prompts(34, [5, 5, 5]), 6),
-        case("different lengths (left padding, per-row positions)", _prompts(35, [2, 9, 5]), 7),
+        case("different lengths (left padding)", _prompts(35, [2, 9, 5]), 7),
+        positions_case("per-row positions: rows with different pad counts each start at position 0",
+                       _prompts(40, [3, 11, 7, 1]), 4),
         case("one-token and long prompt", _prompts(36, [1, 17]), 6),
         case("EOS ends one row early, others go on", _prompts(37, [4, 8]), 8, eos_at_row_step=(0, 2)),
         case("EOS at the first step of every row stops all", [[3, 4, 5]] * 2, 8, eos_at_row_step=(0, 0)),
@@ -518,10 +525,38 @@ def ex02_kv_cache_generate() -> Spec:
         case("an empty prompt -> ValueError", [[1, 2], []], 3),
         case("max_new_tokens=0 -> ValueError", _prompts(39, [3]), 0),
     ]
-    extra = lambda rng: [case(f"seeded case {k}", _prompts(rng.randrange(10**6),  # noqa: E731
-                                                          [rng.randint(1, 20) for _ in range(rng.randint(1, 4))]),
-                              rng.randint(1, 8)) for k in (1, 2)]
-    return Spec(reference, cases, run=lambda f, inputs: f(model, *inputs), extra=extra)
+    extra = lambda rng: [positions_case(f"seeded case {k}", _prompts(rng.randrange(10**6),  # noqa: E731
+                                                                    [rng.randint(1, 20) for _ in range(rng.randint(1, 4))]),
+                                        rng.randint(1, 8)) for k in (1, 2)]
+    return Spec(reference, cases, run=lambda f, inputs: _run_recording_positions(f, model, inputs), extra=extra)
+
+
+def _run_recording_positions(f: Callable, model, inputs: tuple) -> Any:
+    """`f(model, prompts, max_new_tokens, eos_token_id)`; with a 4th input, also the positions the model was given.
+
+    RoPE makes attention depend on distances only, so a row's tokens all shifted by its pad count (column
+    indices instead of per-row positions) generate the same tokens: the outcome alone cannot tell. Here a hook
+    on the model's rotary embedding records the positions of every forward call, and each row's list holds
+    the positions of its real tokens in the order fed: its prompt's (the last `len(prompt)` columns of the
+    first call, the prefill), then one per later call (decode step). Returns {"positions": ..., "tokens": ...}.
+    """
+    prompts, n, eos, *record = inputs
+    if not record:
+        return f(model, prompts, n, eos)
+    fed: list = []
+    hook = model.model.rotary_emb.register_forward_pre_hook(lambda module, args: fed.append(args[0].tolist()))
+    try:
+        tokens = f(model, prompts, n, eos)
+    finally:
+        hook.remove()
+    rows: list = [[] for _ in prompts]
+    for call, given in enumerate(fed):
+        if not (isinstance(given, list) and len(given) == len(prompts) and all(isinstance(r, list) for r in given)):
+            return {"positions": f"forward call {call} was given positions of shape other than [B, T]: "
+                                 f"{_short(given, 80)}", "tokens": tokens}
+        for i, row in enumerate(given):
+            rows[i] += row[len(row) - len(prompts[i]):] if call == 0 else row
+    return {"positions": rows, "tokens": tokens}
 
 
 # ============================================================================== ex03: paged blocks
