@@ -201,10 +201,10 @@ def summarize_run(results: list[dict], rate: float, duration_s: float, ttft_slo_
 
 async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: int, rate: float, seed: int,
                    ttft_slo_s: float, tpot_slo_s: float, clients: ClientProcesses | None = None,
-                   texts: list | None = None) -> dict:
+                   requests: list | None = None) -> dict:
     """Send `prompts` at Poisson times of `rate`, all streamed, from this event loop (its thread's CPU time is the
-    client's) or from `clients`; returns `summarize_run`'s figures. `texts`, if given, receives the streamed text
-    of every request, in prompt order."""
+    client's) or from `clients`; returns `summarize_run`'s figures. `requests`, if given, receives every request's
+    result (`stream_one`'s: timings, text, tokens), in prompt order."""
     jobs = list(zip(range(len(prompts)), poisson_arrivals(len(prompts), rate, seed), prompts))
     ready, stop = asyncio.Event(), asyncio.Event()
     sampler = asyncio.create_task(sample_engine(url, ready, stop))
@@ -223,8 +223,8 @@ async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: i
     engine = await sampler
     merged = {i: r for a in answers for i, r in a["results"]}
     results = [merged[i] for i in range(len(prompts))]
-    if texts is not None:
-        texts[:] = [r["text"] for r in results]
+    if requests is not None:
+        requests[:] = results
     return summarize_run(results, rate, duration, ttft_slo_s, tpot_slo_s, engine, answers)
 
 
@@ -232,8 +232,8 @@ async def bench_serve(url: str, rates: list[float], num_requests: int, prompt_le
                       ttft_slo_s: float, tpot_slo_s: float, seed: int = 0, warmup: int = 4,
                       client_processes: int = 1) -> dict:
     """Run every rate against the server at `url` (same prompts each time); returns {"model", "prompts",
-    "results", "texts"}: the card of /v1/models, the prompts (token ids), the figures and the streamed texts of
-    each rate. `client_processes` 1 sends from this event loop, more from that many client processes."""
+    "results", "requests"}: the card of /v1/models, the prompts (token ids), the figures of each rate and, per
+    rate, every request's result (its TTFT, text, ...). `client_processes` 1 sends from this event loop, more from that many client processes."""
     import httpx
 
     from minirt.bench import make_prompts
@@ -249,15 +249,15 @@ async def bench_serve(url: str, rates: list[float], num_requests: int, prompt_le
         if warmup:
             await run_rate(url, card["id"], prompts[:max(warmup, client_processes)], min(output_len, 8), math.inf,
                            seed, ttft_slo_s, tpot_slo_s, clients)
-        results, texts = [], []
+        results, requests = [], []
         for i, rate in enumerate(rates):
-            texts.append([])
+            requests.append([])
             results.append(await run_rate(url, card["id"], prompts, output_len, rate, seed + i, ttft_slo_s,
-                                          tpot_slo_s, clients, texts[-1]))
+                                          tpot_slo_s, clients, requests[-1]))
     finally:
         if clients is not None:
             clients.close()
-    return {"model": card, "prompts": prompts, "results": results, "texts": texts}
+    return {"model": card, "prompts": prompts, "results": results, "requests": requests}
 
 
 def _vocab_of(path: str) -> int:
@@ -505,7 +505,7 @@ def run(args) -> int:
         if offline["output_tokens"] != num * olen:
             print(f"FAIL: LLM.generate made {offline['output_tokens']} tokens, not {num} x {olen}", file=sys.stderr)
             return 1
-        compare_offline(report["results"], report["texts"], offline)
+        compare_offline(report["results"], [[r["text"] for r in reqs] for reqs in report["requests"]], offline)
     dev, versions = environment(torch.device(device))
     report = {"commit": measured, "date": datetime.datetime.now().isoformat(timespec="seconds"), "device": dev,
               "versions": versions, "server": {"url": args.url, "started": args.url is None, "args": server_args},
