@@ -80,7 +80,7 @@ class ClientProcesses:
     async def send(self, url: str, model: str, jobs: list, output_len: int) -> list[dict]:
         """Round-robin `jobs` over the processes; returns each process's `send_all` answer once all are in."""
         n = len(self.procs)
-        start_at = time.monotonic() + 0.1          # CLOCK_MONOTONIC: one clock for every process of the machine
+        start_at = time.monotonic() + 0.3          # CLOCK_MONOTONIC: one clock for every process of the machine
         for k, proc in enumerate(self.procs):
             proc.stdin.write(json.dumps({"url": url, "model": model, "jobs": jobs[k::n], "output_len": output_len,
                                          "start_at": start_at}) + "\n")
@@ -133,8 +133,8 @@ def _scrape(text: str) -> tuple[float, float, float]:
 
 async def sample_engine(url: str, ready: asyncio.Event, stop: asyncio.Event, every_s: float = 0.05) -> dict:
     """Poll GET /metrics every `every_s` seconds (`ready` is set after the first) until `stop`, then once more:
-    {"in_flight": the requests in the engine at each poll, "e2e_count", "e2e_sum": what the server's e2e
-    histogram gained meanwhile}."""
+    {"in_flight": (time.monotonic(), requests in the engine) at each poll, "e2e_count", "e2e_sum": what the
+    server's e2e histogram gained meanwhile}."""
     import httpx
 
     samples, first, last = [], None, None
@@ -146,7 +146,7 @@ async def sample_engine(url: str, ready: asyncio.Event, stop: asyncio.Event, eve
             last = (count, total)
             if stopping:
                 break
-            samples.append(inside)
+            samples.append((time.monotonic(), inside))
             ready.set()
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
@@ -213,14 +213,15 @@ async def run_rate(url: str, model: str, prompts: list[list[int]], output_len: i
     if sampler.done():                             # it failed before its first sample: say why
         waiter.cancel()
         sampler.result()
-    start = time.perf_counter()
     if clients is None:
         answers = [await send_all(url, model, jobs, output_len)]
     else:
         answers = await clients.send(url, model, jobs, output_len)
-    duration = time.perf_counter() - start
+    duration = max(a["wall_s"] for a in answers)   # from the common start time to the last answer
     stop.set()
     engine = await sampler
+    t0 = min(a["started_at"] for a in answers)     # L over the run's own window, as lambda and W are
+    engine["in_flight"] = [v for t, v in engine["in_flight"] if t0 <= t <= t0 + duration]
     merged = {i: r for a in answers for i, r in a["results"]}
     results = [merged[i] for i in range(len(prompts))]
     if requests is not None:

@@ -95,8 +95,9 @@ async def stream_one(url: str, model: str, prompt: list[int], output_len: int) -
 async def send_all(url: str, model: str, jobs: list[tuple[int, float, list[int]]], output_len: int,
                    cpu_clock=time.thread_time) -> dict:
     """Send each job `(index, send time s, prompt)` at its time from now; returns {"results": [[index, result], ...],
-    "wall_s", "cpu_s"}: the span from now to the last answer and the CPU seconds `cpu_clock` counted in it."""
-    start, cpu0 = time.perf_counter(), cpu_clock()
+    "wall_s", "cpu_s", "started_at"}: the span from now to the last answer, the CPU seconds `cpu_clock` counted in
+    it, and now on the `time.monotonic` clock."""
+    start, started_at, cpu0 = time.perf_counter(), time.monotonic(), cpu_clock()
 
     async def at(t, prompt):
         await asyncio.sleep(max(0.0, start + t - time.perf_counter()))
@@ -104,7 +105,7 @@ async def send_all(url: str, model: str, jobs: list[tuple[int, float, list[int]]
 
     results = await asyncio.gather(*(at(t, p) for _, t, p in jobs))
     return {"results": [[i, r] for (i, _, _), r in zip(jobs, results)], "wall_s": time.perf_counter() - start,
-            "cpu_s": cpu_clock() - cpu0}
+            "cpu_s": cpu_clock() - cpu0, "started_at": started_at}
 
 
 def main() -> None:
