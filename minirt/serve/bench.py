@@ -234,7 +234,8 @@ async def bench_serve(url: str, rates: list[float], num_requests: int, prompt_le
                       client_processes: int = 1) -> dict:
     """Run every rate against the server at `url` (same prompts each time); returns {"model", "prompts",
     "results", "requests"}: the card of /v1/models, the prompts (token ids), the figures of each rate and, per
-    rate, every request's result (its TTFT, text, ...). `client_processes` 1 sends from this event loop, more from that many client processes."""
+    rate, every request's result (its TTFT, text, ...). `client_processes` 1 sends from this event loop, more
+    from that many client processes."""
     import httpx
 
     from minirt.bench import make_prompts
