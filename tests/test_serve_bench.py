@@ -21,7 +21,7 @@ import pytest
 import minirt
 from minirt.bench import make_prompts
 from minirt.serve import bench
-from minirt.serve.client import sse_data, stream_one
+from minirt.serve.bench_client import sse_data, stream_one
 from minirt.serve.server import BackgroundServer
 
 ROOT = Path(__file__).resolve().parents[1]

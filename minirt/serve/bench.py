@@ -46,7 +46,7 @@ import time
 from minirt.bench import commit
 from minirt.metrics import format_table, percentile
 from minirt.parallel.workers import free_port
-from minirt.serve.client import send_all, stream_one  # noqa: F401 - stream_one: one request, for callers
+from minirt.serve.bench_client import send_all, stream_one  # noqa: F401 - stream_one: one request, for callers
 
 
 # ============================================================================ the client processes
@@ -68,11 +68,11 @@ def poisson_arrivals(num: int, rate: float, seed: int) -> list[float]:
 
 
 class ClientProcesses:
-    """`n` client processes (`python -P minirt/serve/client.py`: a lean interpreter each, without torch), started
+    """`n` client processes (`python -P minirt/serve/bench_client.py`: a lean interpreter each, without torch), started
     once; at each rate every one gets its share of the requests and the same start time."""
 
     def __init__(self, n: int):
-        from minirt.serve import client
+        from minirt.serve import bench_client as client
 
         self.procs = [subprocess.Popen([sys.executable, "-P", client.__file__], stdin=subprocess.PIPE,
                                        stdout=subprocess.PIPE, text=True) for _ in range(n)]

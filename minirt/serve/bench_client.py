@@ -3,7 +3,7 @@
 One connection per request over asyncio streams; the body's `data:` lines are parsed with `json.loads` and no SDK
 object is built, so a client process can keep up with a server many times faster than itself (vLLM's serving
 benchmark reads its SSE lines with aiohttp for the same reason). The module imports only the standard library:
-run as a script (`python -P client.py`) it is one client process of the benchmark, reading one job per line on
+run as a script (`python -P bench_client.py`) it is one client process of the benchmark, reading one job per line on
 stdin (JSON: url, model, jobs, output_len, start_at on the `time.monotonic` clock) and answering one line each.
 """
 
