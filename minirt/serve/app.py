@@ -133,8 +133,12 @@ def build_app(engine, model_name: str | None = None, model_path: str | None = No
 
     @asynccontextmanager
     async def lifespan(app):
-        async with engine:
-            yield
+        engine.step_callbacks.append(state.metrics.count_step)     # token counters advance per engine step
+        try:
+            async with engine:
+                yield
+        finally:
+            engine.step_callbacks.remove(state.metrics.count_step)
 
     app = FastAPI(title="minirt", lifespan=lifespan)
     app.state.minirt = state

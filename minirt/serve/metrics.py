@@ -61,8 +61,8 @@ class EngineCollector:
 
 
 class ServerMetrics:
-    """The registry of one server. It counts tokens per engine step (a step callback of the engine, or of the
-    `EngineClient`); `observe(output)` records a finished request; `render()` is the page."""
+    """The registry of one server. `count_step` counts tokens per engine step (the app makes it a step callback
+    of the engine, or of the `EngineClient`); `observe(output)` records a finished request; `render()` is the page."""
 
     def __init__(self, engine):
         self.multiprocess = "PROMETHEUS_MULTIPROC_DIR" in os.environ
@@ -83,7 +83,6 @@ class ServerMetrics:
         self.rejected = Counter("minirt:requests_rejected", "requests refused before reaching the engine",
                                 ["reason"], registry=registry)
         self._counted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # request -> output tokens counted
-        engine.step_callbacks.append(self.count_step)
 
     def count_step(self, engine, batch) -> None:
         """After each step: the tokens each request of `batch` gained, and the prompts that got a first token."""

@@ -27,6 +27,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 from minirt.config import EngineConfig
 
@@ -127,8 +129,6 @@ class BackgroundServer:
     read `engine.stats()` from outside only when no request is in flight."""
 
     def __init__(self, engine, host: str = "127.0.0.1", **settings):
-        import socket
-
         self.sock = socket.socket()
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
@@ -137,8 +137,6 @@ class BackgroundServer:
 
     def start(self, timeout_s: float = 30.0) -> str:
         import asyncio
-        import threading
-        import time
 
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        name="minirt-serve", daemon=True)
@@ -294,6 +292,13 @@ def _run_front_ends(core, args) -> int:
         shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
+def _exit_when_orphaned(parent_pid: int, every_s: float = 1.0) -> None:
+    """A front end whose supervisor is gone (killed outright) drains and exits, as if it had been sent SIGTERM."""
+    while os.getppid() == parent_pid:
+        time.sleep(every_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def _is_plain(value) -> bool:
     return value is None or isinstance(value, (bool, int, float, str))
 
@@ -307,6 +312,7 @@ def _front_end_main() -> int:
     args = argparse.Namespace(**spec["args"])
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     sock = socket.socket(fileno=spec["fd"])
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
     return _run_front_end(EngineClient(spec["address"], spec["info"]), args, sockets=[sock])
 
 
