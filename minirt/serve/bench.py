@@ -83,11 +83,12 @@ def goodput(results: list[dict], duration_s: float, ttft_slo_s: float, tpot_slo_
 
 
 async def sample_in_flight(url: str, stop: asyncio.Event, every_s: float = 0.05) -> list[float]:
-    """Requests in the server (waiting + prefilling + running, from GET /metrics) every `every_s` seconds."""
+    """Requests in the server (waiting + running, running counting the prefilling ones, from GET /metrics) every
+    `every_s` seconds."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
 
-    names = {"minirt_num_requests_waiting", "minirt_num_requests_prefilling", "minirt_num_requests_running"}
+    names = {"minirt:num_requests_waiting", "minirt:num_requests_running"}
     samples = []
     async with httpx.AsyncClient(base_url=url, timeout=10) as http:
         while not stop.is_set():
