@@ -181,3 +181,20 @@ def test_token_counters_move_per_step_while_the_request_runs(default_model, mode
 
 def test_the_front_end_validates_with_the_engines_own_function():
     assert EngineClient.validate is Engine.validate and EngineClient._tokenize is Engine._tokenize
+
+
+def test_a_front_end_started_after_the_core_died_answers_503(default_model):
+    core = start_engine_core(default_model, {"device": "cpu", "dtype": "float32"}, threads=1)
+    core.popen.kill()
+    core.popen.wait()
+    try:
+        with BackgroundServer(EngineClient(core.address, core.info)) as url, httpx.Client(base_url=url,
+                                                                                          timeout=30) as http:
+            deadline = time.monotonic() + 10       # the first connection attempt is refused within zmq's retry
+            while (health := http.get("/health")).status_code == 200:
+                assert time.monotonic() < deadline, "a front end without an engine core still says it is healthy"
+                time.sleep(0.05)
+            assert health.status_code == 503 and "nothing listens" in health.json()["reason"]
+            assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 503
+    finally:
+        core.stop()

@@ -89,7 +89,7 @@ class EngineClient:
         self.socket = self.context.socket(zmq.DEALER)
         for option, value in ((zmq.SNDHWM, 0), (zmq.RCVHWM, 0), (zmq.LINGER, 0)):
             self.socket.setsockopt(option, value)
-        monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
         self.socket.connect(self.address)
         self._send([HELLO])
         self._tasks = [asyncio.create_task(self._read_outputs(), name="minirt-client-outputs"),
@@ -206,12 +206,15 @@ class EngineClient:
             request.stream.put_nowait(request.stream_delta())
 
     async def _watch(self, monitor) -> None:
-        """The core's socket closes when its process dies: fail what is in flight instead of waiting forever."""
+        """The core's socket closes when its process dies (or refuses the connection if it died before): fail
+        what is in flight, and refuse what comes, instead of waiting forever."""
         try:
             while True:
                 event = parse_monitor_message(await monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED:
                     self._fail("the engine core process is gone (its connection closed)")
+                elif event["event"] == zmq.EVENT_CONNECT_RETRIED and self._failure is None:
+                    self._fail(f"the engine core process is gone (nothing listens at {self.address})")
         finally:
             monitor.close(linger=0)
 
