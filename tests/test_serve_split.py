@@ -198,3 +198,28 @@ def test_a_front_end_started_after_the_core_died_answers_503(default_model):
             assert http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2}).status_code == 503
     finally:
         core.stop()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_ttft_counts_from_the_arrival_at_the_front_end(default_model, mode):
+    """Headers first, the body 0.5 s later: the request arrived when its headers did, so the server's TTFT includes
+    the wait for the body (as it includes parsing, tokenizing and the queue), whatever the engine's clock says."""
+    import socket
+
+    body = json.dumps({"prompt": "ROMEO:", "max_tokens": 2, "temperature": 0}).encode()
+    with running_server(mode, default_model) as (url, engine):
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body))
+            time.sleep(0.5)
+            sock.sendall(body)
+            answer = b""
+            while b'"usage"' not in answer:
+                chunk = sock.recv(65536)
+                assert chunk, answer
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200")
+        assert metric(url, "minirt:time_to_first_token_seconds_count") == 1
+        assert metric(url, "minirt:time_to_first_token_seconds_sum") >= 0.5
+        assert metric(url, "minirt:e2e_request_latency_seconds_sum") >= 0.5
