@@ -2,8 +2,10 @@
 
 Oracle: `minirt.LLM.generate` on the same prompts and sampling parameters (itself checked against
 transformers in test_equality.py), and the tokenizer's own chat template. The server runs the embedded model on
-127.0.0.1 on a free port: on a thread of this process (`BackgroundServer`, so the tests can read
-`engine.stats()`), or as `python -m minirt serve` in a subprocess for the signal and load-failure tests.
+127.0.0.1 on a free port, in both of its modes: the front end on a thread of this process (`BackgroundServer`, so
+the tests can read `engine.stats()`) over the `Engine` itself ("in-process") or over an `EngineClient` whose engine
+core is a process of its own ("split"); or as `python -m minirt serve` in a subprocess for the signal and
+load-failure tests.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -65,14 +68,40 @@ def sse_payloads(response) -> list:
     return out
 
 
-@pytest.fixture(scope="module")
-def server(default_model):
-    engine = minirt.Engine(default_model, device="cpu", dtype="float32")
-    bg = BackgroundServer(engine)
-    url = bg.start()
-    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
-    yield SimpleNamespace(url=url, engine=engine, client=client, model="default_model")
-    bg.stop()
+MODES = ["in-process", "split"]
+SERVER_SETTINGS = ("max_waiting", "shutdown_timeout")
+
+
+@contextmanager
+def running_server(mode: str, model, **settings):
+    """(url, engine) of a server on a thread of this process: over an `Engine` ("in-process"), or over an
+    `EngineClient` of an engine core started as its own process ("split"). `settings`: the engine's, and
+    `SERVER_SETTINGS` for the server."""
+    from minirt.serve.client import EngineClient
+    from minirt.serve.core import start_engine_core
+
+    served = {k: settings.pop(k) for k in SERVER_SETTINGS if k in settings}
+    settings = {"device": "cpu", "dtype": "float32", **settings}
+    core = None
+    if mode == "in-process":
+        engine = minirt.Engine(model, **settings)
+    else:
+        core = start_engine_core(model, settings, threads=int(os.environ.get("MINIRT_TEST_THREADS", "1")))
+        engine = EngineClient(core.address, core.info)
+    bg = BackgroundServer(engine, **served)
+    try:
+        yield bg.start(), engine
+    finally:
+        bg.stop()
+        if core is not None:
+            core.stop()
+
+
+@pytest.fixture(scope="module", params=MODES)
+def server(request, default_model):
+    with running_server(request.param, default_model) as (url, engine):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
+        yield SimpleNamespace(url=url, engine=engine, client=client, model="default_model", mode=request.param)
 
 
 def _params(**kw):
@@ -199,30 +228,30 @@ def test_fifty_concurrent_streams_all_answered_and_blocks_freed(server, default_
 
 def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
     url, engine = server.url, server.engine
-    aborted = metric(url, "minirt_requests_total", "finish_reason=abort")
-    generated = metric(url, "minirt_generation_tokens_total")
+    aborted = metric(url, "minirt:request_success_total", "finished_reason=abort")
+    generated = metric(url, "minirt:generation_tokens_total")
     with httpx.stream("POST", url + "/v1/completions", timeout=30,
                       json={"prompt": "ROMEO:", "max_tokens": 1500, "ignore_eos": True, "temperature": 0,
                             "stream": True}) as r:
         lines = r.iter_lines()
         assert next(line for line in lines if line.startswith("data: "))
-        assert metric(url, "minirt_num_requests_running") == 1
-        assert metric(url, "minirt_kv_blocks_used") > 0
+        assert metric(url, "minirt:num_requests_running") == 1
+        assert metric(url, "minirt:kv_blocks_used") > 0
     s = wait_idle(engine, 5)                       # 1500 tokens would take far longer than this on the CPU
     assert s["num_free_blocks"] == s["num_total_blocks"]
-    assert metric(url, "minirt_requests_total", "finish_reason=abort") == aborted + 1
-    assert metric(url, "minirt_generation_tokens_total") - generated < 1500
+    assert metric(url, "minirt:request_success_total", "finished_reason=abort") == aborted + 1
+    assert metric(url, "minirt:generation_tokens_total") - generated < 1500
 
 
 def test_disconnect_while_waiting_for_a_plain_answer_aborts(server):
     url, engine = server.url, server.engine
-    aborted = metric(url, "minirt_requests_total", "finish_reason=abort")
+    aborted = metric(url, "minirt:request_success_total", "finished_reason=abort")
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", timeout=0.5,
                    json={"prompt": "ROMEO:", "max_tokens": 1500, "ignore_eos": True, "temperature": 0})
     s = wait_idle(engine, 5)
     assert s["num_free_blocks"] == s["num_total_blocks"]
-    assert metric(url, "minirt_requests_total", "finish_reason=abort") == aborted + 1
+    assert metric(url, "minirt:request_success_total", "finished_reason=abort") == aborted + 1
 
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -281,13 +310,15 @@ def test_models_health_metrics(server):
     assert [m.id for m in models] == [server.model]
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
     server.client.completions.create(model=server.model, prompt="ROMEO:", max_tokens=4, temperature=0)
-    for name in ("minirt_time_to_first_token_seconds_count", "minirt_time_per_output_token_seconds_count",
-                 "minirt_e2e_request_latency_seconds_count", "minirt_prompt_tokens_total",
-                 "minirt_generation_tokens_total", "minirt_kv_blocks_total"):
+    for name in ("minirt:time_to_first_token_seconds_count", "minirt:request_time_per_output_token_seconds_count",
+                 "minirt:inter_token_latency_seconds_count", "minirt:e2e_request_latency_seconds_count",
+                 "minirt:prompt_tokens_total", "minirt:generation_tokens_total", "minirt:kv_blocks_total",
+                 "minirt:prefix_cache_queries_total"):
         assert metric(server.url, name) > 0, name
-    assert metric(server.url, "minirt_kv_blocks_total") == server.engine.pool.num_blocks
-    for name in ("minirt_num_requests_waiting", "minirt_num_requests_prefilling", "minirt_num_requests_running",
-                 "minirt_kv_blocks_used", "minirt_num_preemptions_total"):
+    assert metric(server.url, "minirt:kv_blocks_total") == server.engine.pool.num_blocks
+    wait_idle(server.engine)
+    for name in ("minirt:num_requests_waiting", "minirt:num_requests_prefilling", "minirt:num_requests_running",
+                 "minirt:kv_blocks_used", "minirt:kv_cache_usage_perc", "minirt:num_preemptions_total"):
         assert metric(server.url, name) == 0, name
 
 
@@ -325,10 +356,11 @@ def test_idle_keep_alive_outlives_the_openai_clients_own(server):
 # ---------------------------------------------------------------------------------------------- overload
 
 
-def test_full_waiting_queue_answers_429_with_retry_after(default_model):
-    engine = minirt.Engine(default_model, device="cpu", dtype="float32", max_num_seqs=1)
+@pytest.mark.parametrize("mode", MODES)
+def test_full_waiting_queue_answers_429_with_retry_after(default_model, mode):
     long = {"prompt": "ROMEO:", "max_tokens": 1500, "ignore_eos": True, "temperature": 0, "stream": True}
-    with BackgroundServer(engine, max_waiting=1) as url, httpx.Client(base_url=url, timeout=30) as http:
+    with running_server(mode, default_model, max_num_seqs=1, max_waiting=1) as (url, engine), \
+            httpx.Client(base_url=url, timeout=30) as http:
         with http.stream("POST", "/v1/completions", json=long) as a:      # admitted, decoding
             lines = a.iter_lines()            # kept: dropping the iterator closes the connection
             next(line for line in lines if line.startswith("data: "))
@@ -341,13 +373,13 @@ def test_full_waiting_queue_answers_429_with_retry_after(default_model):
             waiting = threading.Thread(target=wait_then_give_up)
             waiting.start()                                                 # waits: no seat
             deadline = time.monotonic() + 5
-            while len(engine.waiting_queue) < 1:
+            while engine.stats()["num_waiting"] < 1:
                 assert time.monotonic() < deadline, "the second request never reached the waiting queue"
                 time.sleep(0.01)
             r = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
             assert r.status_code == 429 and r.headers["retry-after"] == "1"
             assert r.json()["error"]["type"] == "rate_limit_error" and "max_waiting = 1" in r.json()["error"]["message"]
-            assert metric(url, "minirt_requests_rejected_total", "reason=queue_full") == 1
+            assert metric(url, "minirt:requests_rejected_total", "reason=queue_full") == 1
         waiting.join()
         s = wait_idle(engine, 5)
         assert s["num_free_blocks"] == s["num_total_blocks"]
@@ -379,15 +411,18 @@ def _wait_health(proc, url: str, timeout_s: float = 60):
     raise AssertionError("the server never answered /health")
 
 
-@pytest.mark.parametrize("sig,drain,max_tokens,reason", [(signal.SIGTERM, "30", 48, "length"),
-                                                         (signal.SIGINT, "0.5", 1500, "abort")],
-                         ids=["SIGTERM-drains", "SIGINT-aborts-after-the-deadline"])
-def test_signal_shuts_down_cleanly_with_in_flight_requests_answered(sig, drain, max_tokens, reason):
+@pytest.mark.parametrize("sig,drain,max_tokens,reason,mode", [
+    (signal.SIGTERM, "30", 48, "length", "split"), (signal.SIGINT, "0.5", 1500, "abort", "split"),
+    (signal.SIGTERM, "30", 48, "length", "in-process"), (signal.SIGINT, "0.5", 1500, "abort", "in-process")],
+    ids=["SIGTERM-drains", "SIGINT-aborts-after-the-deadline", "in-process-SIGTERM-drains",
+         "in-process-SIGINT-aborts-after-the-deadline"])
+def test_signal_shuts_down_cleanly_with_in_flight_requests_answered(sig, drain, max_tokens, reason, mode):
     from minirt.parallel.workers import free_port
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(_serve_cmd(port, "--shutdown-timeout", drain), cwd=ROOT, env=_env(),
+    extra = ["--in-process"] if mode == "in-process" else []
+    proc = subprocess.Popen(_serve_cmd(port, "--shutdown-timeout", drain, *extra), cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         _wait_health(proc, url)
@@ -437,6 +472,7 @@ def test_model_that_cannot_load_exits_nonzero_with_the_reason(tmp_path, tiny_mod
     proc = subprocess.run(_serve_cmd(8, "--max-num-seqs", "0"), cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 2 and "max_num_seqs: must be an integer >= 1" in proc.stderr
-    proc = subprocess.run(_serve_cmd(8, "--model", tiny_models["qwen3"]), cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=120)          # loads, but answers text without a tokenizer: no
-    assert proc.returncode == 1 and "has no tokenizer" in proc.stderr
+    for extra in ([], ["--in-process"]):
+        proc = subprocess.run(_serve_cmd(8, "--model", tiny_models["qwen3"], *extra), cwd=ROOT, env=_env(),
+                              capture_output=True, text=True, timeout=120)   # loads, but answers text without a tokenizer
+        assert proc.returncode == 1 and "has no tokenizer" in proc.stderr, proc.stderr[-2000:]

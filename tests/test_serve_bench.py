@@ -108,10 +108,11 @@ def test_arrivals_and_the_standard_error_of_a_sampled_mean():
 def test_scrape_reads_minirt_and_vllm_metric_names():
     page = ("# TYPE {p}num_requests_waiting gauge\n{p}num_requests_waiting 2.0\n"
             "# TYPE {p}num_requests_running gauge\n{p}num_requests_running 3.0\n"
+            "# TYPE {p}num_requests_prefilling gauge\n{p}num_requests_prefilling 1.0\n"   # counted in running
             "# TYPE {p}e2e_request_latency_seconds histogram\n"
             '{p}e2e_request_latency_seconds_bucket{{le="+Inf"}} 4.0\n'
             "{p}e2e_request_latency_seconds_count 4.0\n{p}e2e_request_latency_seconds_sum 6.5\n")
-    for prefix in ("minirt_", "vllm:"):
+    for prefix in ("minirt:", "vllm:"):
         assert bench._scrape(page.format(p=prefix)) == (5.0, 4.0, 6.5)
 
 

@@ -1,4 +1,5 @@
-"""Chapter 08: the HTTP front end - FastAPI routes over the asyncio `Engine`, in the same event loop.
+"""Chapter 08: the HTTP front end - FastAPI routes over the asyncio `Engine`, in the same event loop, or over
+an `EngineClient` whose engine core runs in another process (`minirt.serve.core`, `minirt.serve.client`).
 
     POST /v1/completions, POST /v1/chat/completions   OpenAI's shapes; "stream": true answers with SSE
     GET /v1/models, GET /health, GET /metrics         the served model, liveness, Prometheus text
@@ -10,6 +11,9 @@ chapter 05's caller awaited as a future becomes either one JSON answer (the futu
 of server-sent events, one per engine `StreamDelta` (`protocol.delta_chunks`), ending with `data: [DONE]`.
 A client that goes away aborts its request: the engine frees its blocks at once (vLLM's
 `with_cancellation` for plain answers; sse-starlette's disconnect listener for streams).
+
+The routes are the same in both modes: `build_app(engine)` takes either, since the client answers the
+names the app uses (validate, submit, abort, stats, requests, step_callbacks, tokenizer, config).
 """
 
 from __future__ import annotations
@@ -53,6 +57,21 @@ class ServerState:
     metrics: ServerMetrics
     draining: bool = False          # set at shutdown: new requests get 503, in-flight ones finish
     created: int = field(default_factory=lambda: int(time.time()))
+
+
+ARRIVAL = "minirt.arrival_time"
+
+
+class StampArrival:
+    """ASGI middleware: `scope[ARRIVAL]` = `time.perf_counter()` when the request reaches the front end, before
+    its body is read, parsed and tokenized; the request's TTFT and latency are measured from there."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        scope[ARRIVAL] = time.perf_counter()
+        await self.app(scope, receive, send)
 
 
 def admission(num_waiting: int, max_waiting: int, draining: bool) -> tuple[int, str] | None:
@@ -114,11 +133,16 @@ def build_app(engine, model_name: str | None = None, model_path: str | None = No
 
     @asynccontextmanager
     async def lifespan(app):
-        async with engine:
-            yield
+        engine.step_callbacks.append(state.metrics.count_step)     # token counters advance per engine step
+        try:
+            async with engine:
+                yield
+        finally:
+            engine.step_callbacks.remove(state.metrics.count_step)
 
     app = FastAPI(title="minirt", lifespan=lifespan)
     app.state.minirt = state
+    app.add_middleware(StampArrival)
 
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request, exc: RequestValidationError):
@@ -184,7 +208,7 @@ async def _serve(state: ServerState, raw: Request, body, prompt, chat: bool):
         _, ids, params = engine.validate(prompt, params)              # tokenized once, checked against every limit
     except ValueError as e:
         raise api_error(e) from None
-    refused = admission(len(engine.waiting_queue), state.max_waiting, state.draining)
+    refused = admission(engine.stats()["num_waiting"], state.max_waiting, state.draining)
     if refused is not None:
         status, message = refused
         state.metrics.rejected.labels("draining" if status == 503 else "queue_full").inc()
@@ -195,6 +219,7 @@ async def _serve(state: ServerState, raw: Request, body, prompt, chat: bool):
         request = engine.submit(ids, params, request_id=request_id, stream=body.stream)
     except EngineFailedError as e:
         return error_response(503, str(e), type="server_error", headers={"Retry-After": str(RETRY_AFTER_S)})
+    request.arrival_time = raw.scope.get(ARRIVAL, request.arrival_time)   # TTFT counts the wait before the engine
     head = {"id": request_id, "created": int(time.time()), "model": state.model_name}
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -115,12 +115,12 @@ def goodput(results: list[dict], duration_s: float, ttft_slo_s: float, tpot_slo_
 
 def _scrape(text: str) -> tuple[float, float, float]:
     """(requests in the engine, e2e histogram count, e2e histogram sum) from a /metrics page. Families are
-    matched by the end of their names, so `minirt_...` and vLLM's `vllm:...` names both read."""
+    matched by the end of their names, so `minirt:...` and vLLM's `vllm:...` names both read."""
     from prometheus_client.parser import text_string_to_metric_families
 
     inside, count, total = 0.0, 0.0, 0.0
     for fam in text_string_to_metric_families(text):
-        if fam.name.endswith(("num_requests_waiting", "num_requests_prefilling", "num_requests_running")):
+        if fam.name.endswith(("num_requests_waiting", "num_requests_running")):   # running counts the prefilling
             inside += sum(s.value for s in fam.samples)
         elif fam.name.endswith("e2e_request_latency_seconds"):
             for s in fam.samples:

@@ -1,18 +1,34 @@
-"""`python -m minirt serve`: load the model, build the app, run uvicorn; drain on SIGINT/SIGTERM.
+"""`python -m minirt serve`: start the engine, serve HTTP with uvicorn, drain on SIGINT/SIGTERM.
+
+Processes (vLLM v1's layout): by default the engine core runs in its own process (`minirt.serve.core`) and the
+HTTP front end - parsing, tokenizing, validating, detokenizing, stop strings, SSE - in this one, so that no
+client's work ever delays a step, and no step delays an answer such as /health. `--api-server-count N` runs N
+front-end processes (`python -m minirt.serve.server`, each given the listening socket: the kernel hands each
+new connection to one of them) over one engine core; this process then only supervises. `--in-process` keeps
+everything on one event loop: `build_app(engine)` over the asyncio `Engine`, chapter 08's first server.
 
 Shutdown (uvicorn's sequence, with a drain deadline added): stop listening, answer new requests on open
 connections with 503, let the requests in flight finish for up to `--shutdown-timeout` seconds, then abort
 those still running - each client still gets a complete answer, with finish_reason "abort" - and stop the
-engine. A model that cannot be loaded ends the command with status 1 and the reason, before anything listens.
+engine (the core process last). A model that cannot be loaded ends the command with status 1 and the reason,
+before anything listens.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
+import os
+import shutil
 import signal
+import socket
+import subprocess
 import sys
+import tempfile
+import threading
+import time
 
 from minirt.config import EngineConfig
 
@@ -70,6 +86,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 is fastest for small models on a shared CPU)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--api-server-count", type=int, default=1,
+                   help="HTTP front-end processes sharing the listening socket and one engine core (default 1)")
+    p.add_argument("--in-process", action="store_true",
+                   help="run the engine on the front end's event loop, in one process (chapter 08's first server)")
     add_engine_settings(p)
     return p
 
@@ -109,8 +129,6 @@ class BackgroundServer:
     read `engine.stats()` from outside only when no request is in flight."""
 
     def __init__(self, engine, host: str = "127.0.0.1", **settings):
-        import socket
-
         self.sock = socket.socket()
         self.sock.bind((host, 0))
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
@@ -119,8 +137,6 @@ class BackgroundServer:
 
     def start(self, timeout_s: float = 30.0) -> str:
         import asyncio
-        import threading
-        import time
 
         self.thread = threading.Thread(target=lambda: asyncio.run(self.server.serve(sockets=[self.sock])),
                                        name="minirt-serve", daemon=True)
@@ -147,16 +163,44 @@ class BackgroundServer:
 
 def run(args) -> int:
     """`python -m minirt serve`: 0 after a clean shutdown, 1 if the model cannot be loaded, 2 on bad settings."""
-    from minirt import Engine
+    from minirt.serve.client import EngineClient
+    from minirt.serve.core import EngineCoreStartError, start_engine_core
 
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
-    if args.max_waiting < 1:
-        print(f"error: --max-waiting: must be >= 1, got {args.max_waiting}", file=sys.stderr)
-        return 2
-    if args.threads is not None:
-        if args.threads < 1:
-            print(f"error: --threads: must be >= 1, got {args.threads}", file=sys.stderr)
+    for flag, value in (("--max-waiting", args.max_waiting), ("--threads", args.threads),
+                        ("--api-server-count", args.api_server_count)):
+        if value is not None and value < 1:
+            print(f"error: {flag}: must be >= 1, got {value}", file=sys.stderr)
             return 2
+    if args.in_process and args.api_server_count > 1:
+        print("error: --api-server-count: needs the engine core in its own process (drop --in-process)", file=sys.stderr)
+        return 2
+    if args.in_process:
+        return _run_in_process(args)
+    try:
+        core = start_engine_core(args.model, engine_settings(args), args.threads)
+    except EngineCoreStartError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.status
+    try:
+        info = core.info
+        if not info["has_tokenizer"]:
+            return _no_tokenizer(args)
+        c = info["config"]
+        print(f"minirt serve: {args.model} on {c['device']} ({c['dtype']}), {c['num_kv_blocks']} KV blocks of "
+              f"{c['block_size']}, max_model_len {c['max_model_len']}; engine core pid {core.popen.pid}",
+              file=sys.stderr, flush=True)
+        if args.api_server_count == 1:
+            return _run_front_end(EngineClient(core.address, info), args)
+        return _run_front_ends(core, args)
+    finally:
+        core.stop()
+
+
+def _run_in_process(args) -> int:
+    from minirt import Engine
+
+    if args.threads is not None:
         import torch
 
         torch.set_num_threads(args.threads)
@@ -169,11 +213,20 @@ def run(args) -> int:
         print(f"error: cannot load the model {args.model!r}: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     if engine.tokenizer is None:
-        print(f"error: cannot serve the model {args.model!r}: it has no tokenizer, and the OpenAI API answers text",
-              file=sys.stderr)
-        return 1
+        return _no_tokenizer(args)
     print(f"minirt serve: {args.model} on {engine.device} ({engine.model.dtype}), {engine.pool.num_blocks} KV blocks "
           f"of {engine.config.block_size}, max_model_len {engine.config.max_model_len}", file=sys.stderr, flush=True)
+    return _run_front_end(engine, args)
+
+
+def _no_tokenizer(args) -> int:
+    print(f"error: cannot serve the model {args.model!r}: it has no tokenizer, and the OpenAI API answers text",
+          file=sys.stderr)
+    return 1
+
+
+def _run_front_end(engine, args, sockets=None) -> int:
+    """Serve HTTP over `engine` (an `Engine` or an `EngineClient`) until SIGINT/SIGTERM; drain, return 0."""
     try:
         server = serve(engine, args.host, args.port, args.served_model_name, args.model, args.max_waiting,
                        args.shutdown_timeout, args.log_level)
@@ -184,7 +237,7 @@ def run(args) -> int:
     # by then every request is answered and the engine stopped, so that handler ends the process with 0.
     previous = {sig: signal.signal(sig, _exit_cleanly) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run()
+        server.run(sockets=sockets)
     except SystemExit as e:
         return int(e.code or 0)
     finally:
@@ -193,5 +246,79 @@ def run(args) -> int:
     return 0 if server.started else 1
 
 
+def _run_front_ends(core, args) -> int:
+    """`--api-server-count N`: bind the port here, start N front ends that inherit the socket, forward SIGINT and
+    SIGTERM to them (each drains), wait for all. Their counters meet in prometheus_client's multiprocess folder."""
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 1
+    sock.listen(2048)
+    metrics_dir = tempfile.mkdtemp(prefix="minirt-metrics-")
+    env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
+    spec = {"fd": sock.fileno(), "address": core.address, "info": core.info,
+            "args": {k: v for k, v in vars(args).items() if k != "func" and _is_plain(v)}}
+    procs = []
+    try:
+        for _ in range(args.api_server_count):
+            p = subprocess.Popen([sys.executable, "-m", "minirt.serve.server"], stdin=subprocess.PIPE, text=True,
+                                 pass_fds=[sock.fileno()], env=env)
+            p.stdin.write(json.dumps(spec) + "\n")
+            p.stdin.close()
+            procs.append(p)
+        print(f"minirt serve: front ends pids {[p.pid for p in procs]} on http://{args.host}:{args.port}",
+              file=sys.stderr, flush=True)
+
+        def forward(signum, frame):
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            codes = [p.wait() for p in procs]
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return max(codes)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        sock.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+
+
+def _exit_when_orphaned(parent_pid: int, every_s: float = 1.0) -> None:
+    """A front end whose supervisor is gone (killed outright) drains and exits, as if it had been sent SIGTERM."""
+    while os.getppid() == parent_pid:
+        time.sleep(every_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _is_plain(value) -> bool:
+    return value is None or isinstance(value, (bool, int, float, str))
+
+
+def _front_end_main() -> int:
+    """One of N front ends (`python -m minirt.serve.server`): its spec, one JSON line on stdin, names the
+    inherited listening socket, the engine core's address and `describe` info, and the command's arguments."""
+    from minirt.serve.client import EngineClient
+
+    spec = json.loads(sys.stdin.readline())
+    args = argparse.Namespace(**spec["args"])
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
+    sock = socket.socket(fileno=spec["fd"])
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
+    return _run_front_end(EngineClient(spec["address"], spec["info"]), args, sockets=[sock])
+
+
 def _exit_cleanly(signum, frame):
     raise SystemExit(0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(_front_end_main())
