@@ -13,10 +13,16 @@ Flow ``run_all`` (always):
      Text a student would see on stderr (warnings, pink boxes) is listed as WARN lines.
 Flow ``widget`` (when an output has an ipywidgets slider, e.g. chapter 03's
 ``views.block_table_widget``; ``--widget auto|require|skip``):
-  3. scrolled to the widget, the slider (``.jupyter-widgets`` / ``.widget-slider``) and the
-     matplotlib image inside its output widget are rendered;
+  0. before anything runs, each committed widget output shows a picture (the PNG that
+     ``views.block_table_widget`` puts in its display next to the widget), not the widget's text repr;
+  3. scrolled to the widget, the slider (``.jupyter-widgets`` / ``.widget-slider``) and its image
+     (an ``<img>`` in an ``ipywidgets.HTML``, or inside an output widget) are rendered;
   4. pressing the right-arrow key on the focused slider handle (or, failing that, dragging the
-     handle) moves the slider (its readout changes) and the image is redrawn (its PNG changes).
+     handle) moves the slider (its readout changes) and the image is redrawn (its PNG changes);
+  5. once the readout has settled, the redrawn picture's title (the ``<img>``'s ``title`` attribute,
+     set from the same ``views.pool_title`` string as the figure's title, in the same widget value as
+     the PNG) names the step the slider reads: ``step N`` for readout ``N``. A picture that lags behind
+     the slider fails here.
 
 Screenshots (under ``--out``, one folder per notebook): ``01_opened.png`` (the notebook as opened,
 with its committed outputs; ``01_widget_as_opened.png``: its first widget then), ``02_top.png`` (the top after Run All), ``pages/page_NN.png`` (the whole
@@ -395,7 +401,20 @@ def open_notebook(ctx: Ctx, lab: Lab) -> None:
                       .filter(n => !n.querySelector('.jp-OutputArea .jupyter-widgets'))
                       .map(n => (n.querySelector('.jp-OutputArea') || n).textContent.trim().slice(0, 80));
         }""" % JS_PANEL, [ctx.nb_path, widget_cells(state)])
-        if as_text:
+        # widget outputs committed with a picture beside the widget (chapter 03's slider) must show one
+        pictured_cells = [c["index"] for c in state["cells"] if any(
+            WIDGET_MIME in o["mimes"] and "image/png" in o["mimes"] for o in c["outputs"])]
+        sliders = [c["index"] for c in state["cells"] if "block_table_widget(" in c["source"]]
+        shown = page.evaluate("""([path, cells]) => {
+          const panel = (%s)(path);
+          return cells.filter(i => panel.content.widgets[i].node.querySelector('.jp-OutputArea img, .jp-OutputArea .jupyter-widgets'));
+        }""" % JS_PANEL, [ctx.nb_path, pictured_cells])
+        if pictured_cells or sliders:
+            report.check(set(sliders) <= set(pictured_cells) and shown == pictured_cells,
+                         "as opened: committed widgets show a picture",
+                         f"cells with a picture beside the widget {pictured_cells} (block_table_widget in {sliders}); "
+                         f"shown as an image or a live widget: {shown}")
+        elif as_text:
             report.warn("as opened (before running)", f"{len(as_text)} of {len(widget_cells(state))} committed "
                         f"widget output(s) show as text, e.g. {as_text[0]!r} (untrusted notebook: no widget)")
         cell = scroll_to_cell(ctx, widget_cells(state)[0], "widget-as-opened")
@@ -488,14 +507,19 @@ def flow_widget(ctx: Ctx) -> None:
     cell = scroll_to_cell(ctx, index, "widget-cell")
     output = cell.locator(".jp-Cell-outputWrapper")
     slider = cell.locator(".jupyter-widgets.widget-slider").first
-    image = cell.locator(".widget-output img, .jupyter-widgets-output-area img").first
+    image = cell.locator(".widget-html img, .widget-output img, .jupyter-widgets-output-area img").first
     try:
         slider.wait_for(state="visible", timeout=30_000)
         image.wait_for(state="visible", timeout=30_000)
     except Exception:
         ctx.shot("03_widget_page.png")
+        error = ""
+        with contextlib.suppress(Exception):       # a widget view that failed: read its JavaScript error
+            cell.get_by_text("Click to show javascript error").first.click(timeout=3000)
+            page.wait_for_timeout(500)
+            error = "; " + " ".join(output.inner_text(timeout=3000).split())[:400]
         report.check(False, "widget renders", f"cell {index}: slider visible {slider.is_visible()}, "
-                     f"image visible {image.is_visible()}; see 03_widget_page.png")
+                     f"image visible {image.is_visible()}; see 03_widget_page.png{error}")
         return
     page.wait_for_timeout(500)
     box = image.bounding_box()
@@ -538,9 +562,32 @@ def flow_widget(ctx: Ctx) -> None:
     else:
         detail = (f"PNG {hashlib.sha1(before_src.encode()).hexdigest()[:8]} -> "
                   f"{hashlib.sha1(after_src.encode()).hexdigest()[:8]}")
+    report.check(after_src is not None, "image changes with the slider", detail)
+
+    # The redraw must catch up with the slider: once the readout has stopped moving, the picture's title
+    # (set with its PNG in one message) names the same step.
+    def settled_readout():
+        first = readout.inner_text().strip()
+        page.wait_for_timeout(700)
+        return first if readout.inner_text().strip() == first else None
+
+    final_value = wait_for(settled_readout, 30, "the slider readout to settle")
+
+    def title_matches():
+        with contextlib.suppress(Exception):
+            title = image.get_attribute("title", timeout=1000) or ""
+            return title if title.split("  ")[0] == f"step {final_value}" else None
+        return None
+
+    try:
+        title = wait_for(title_matches, 60, f"the picture's title to read 'step {final_value}'")
+    except TimeoutError as e:
+        title = image.get_attribute("title")
+        report.check(False, "redrawn title matches the slider", f"slider {final_value}, title {title!r}: {e}")
+    else:
+        report.check(True, "redrawn title matches the slider", f"slider {final_value}, title {title!r}")
     page.wait_for_timeout(500)
     ctx.shot("05_widget_after.png", output)
-    report.check(after_src is not None, "image changes with the slider", detail)
 
 
 # ----------------------------------------------------------------------------------- main

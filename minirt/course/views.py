@@ -178,10 +178,7 @@ def draw_pool(ax, snapshot, colors: dict | None = None, cols: int | None = None,
     ax.set_ylim(-0.1, rows * ROW_HEIGHT)
     ax.set_aspect("equal")
     ax.axis("off")
-    title = f"step {s.step}"
-    if s.finished:
-        title += f"  (finishing: {', '.join(s.finished)})"
-    ax.set_title(title, loc="left", fontsize=fontsize + 2, fontweight="bold")
+    ax.set_title(pool_title(s), loc="left", fontsize=fontsize + 2, fontweight="bold")
     if text_ax is not None:
         _draw_text(text_ax, _text_lines(s, colors), fontsize)
 
@@ -209,26 +206,65 @@ def plot_block_tables(snapshots: list, steps: list[int], cols: int | None = None
     return fig
 
 
+def pool_title(snapshot) -> str:
+    """The title `draw_pool` gives a snapshot's picture: its step and the requests finishing in it."""
+    title = f"step {snapshot.step}"
+    if snapshot.finished:
+        title += f"  (finishing: {', '.join(snapshot.finished)})"
+    return title
+
+
+def _pool_png(snapshots: list, k: int, colors: dict, cols: int | None, width: float, most: int) -> bytes:
+    """The pool at `snapshots[k]` as PNG bytes (the figure is closed, never shown)."""
+    import io
+
+    fig, ((ax, text_ax),) = _pool_figure(1, snapshots[0].num_blocks, cols, width, most)
+    draw_pool(ax, snapshots[k], colors, cols, text_ax)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=plt.rcParams["figure.dpi"])
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def block_table_widget(snapshots: list, cols: int | None = None, width: float = 11.0):
-    """An ipywidgets slider over the steps of a recording; each move redraws the pool with `draw_pool`."""
+    """An ipywidgets slider over the steps of a recording, above the pool at the slider's step (`draw_pool`).
+
+    The picture is one `ipywidgets.HTML` value, an `<img>` whose PNG and title (the figure's title,
+    `pool_title`) are replaced together each time the slider moves, so the picture always shows the step
+    the slider reads; a figure printed through an `Output` widget can lag behind quick key presses. The
+    widget's rich display carries a PNG of the first step as well, which a notebook viewer shows where the
+    widget cannot render (a notebook that has not been run or trusted yet).
+    """
+    import base64
+    import html
+
     import ipywidgets as widgets
 
     colors = request_colors(rid for s in snapshots for rid in s.block_tables)
     most = max(len(_text_lines(s, colors)) for s in snapshots)
     slider = widgets.IntSlider(value=0, min=0, max=len(snapshots) - 1, description="step",
                                continuous_update=False, layout=widgets.Layout(width="60%"))
-    out = widgets.Output()
+    picture = widgets.HTML()
 
     def redraw(change=None):
-        with out:
-            out.clear_output(wait=True)
-            fig, ((ax, text_ax),) = _pool_figure(1, snapshots[0].num_blocks, cols, width, most)
-            draw_pool(ax, snapshots[slider.value], colors, cols, text_ax)
-            plt.show()
+        k = slider.value
+        png = base64.b64encode(_pool_png(snapshots, k, colors, cols, width, most)).decode()
+        title = html.escape(pool_title(snapshots[k]))
+        picture.value = (f'<img class="minirt-pool" src="data:image/png;base64,{png}" alt="{title}" '
+                         f'title="{title}" style="max-width: 100%">')
+
+    class BlockTableSlider(widgets.VBox):
+        def __repr__(self):
+            return f"block_table_widget: a slider over {len(snapshots)} steps (run the cell to move it)"
+
+        def _repr_mimebundle_(self, **kwargs):
+            data = super()._repr_mimebundle_(**kwargs)
+            data["image/png"] = base64.b64encode(_pool_png(snapshots, 0, colors, cols, width, most)).decode()
+            return data
 
     slider.observe(redraw, names="value")
     redraw()
-    return widgets.VBox([slider, out])
+    return BlockTableSlider([slider, picture])
 
 
 # ----------------------------------------------------------------------------------- engine timeline
