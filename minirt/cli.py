@@ -1,6 +1,7 @@
 """Command line: `python -m minirt demo` runs the asyncio engine on a batch of corpus prompts;
 `python -m minirt generate "PROMPT"` streams one completion; `python -m minirt exercise start ex03` copies an
-exercise into a work folder; `python -m minirt serve` is the OpenAI-compatible server; `grade`, `bench` and
+exercise into a work folder; `python -m minirt course release DIR` writes a student copy of the course without
+solutions or answers; `python -m minirt serve` is the OpenAI-compatible server; `grade`, `bench` and
 `bench-serve` as their modules say."""
 
 from __future__ import annotations
@@ -158,12 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("prompt")
     _engine_args(gen)
     from minirt import bench
-    from minirt.course import grading, work
+    from minirt.course import grading, release, work
     from minirt.serve import bench as serve_bench, server
 
     grading.add_parser(sub)
     bench.add_parser(sub)
     work.add_parser(sub)
+    release.add_parser(sub)
     server.add_parser(sub)
     serve_bench.add_parser(sub)
     args = parser.parse_args(argv)
@@ -175,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         return grading.run(args)
     if args.command == "exercise":
         return work.run(args)
+    if args.command == "course":
+        return release.run(args)
     if args.command == "bench":
         return bench.run(args)
     try:
