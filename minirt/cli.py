@@ -38,8 +38,8 @@ def _engine_args(p: argparse.ArgumentParser, temperature: float = 0.0, top_k: in
     p.add_argument("--top-k", type=int, default=top_k, help=f"0 = no limit (default {top_k})")
     p.add_argument("--seed", type=int, default=seed, help="seed of the sampler (request i uses seed + i)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch intra-op CPU threads (default: 1 for a model under 256 MB of weights, such as the "
-                        "embedded one, where one thread is fastest; else torch's choice, one per core)")
+                   help="torch intra-op CPU threads (default: OMP_NUM_THREADS when set; else 1 for a model under "
+                        "256 MB of weights, such as the embedded one, where one thread is fastest; else one per core)")
 
 
 def _weight_bytes(model: str) -> int | None:
@@ -51,8 +51,11 @@ def _weight_bytes(model: str) -> int | None:
 
 
 def default_threads(model: str) -> int | None:
-    """The CPU thread count `demo` and `generate` use without `--threads`: 1 for a local checkpoint under
-    `SMALL_MODEL_BYTES`, else None (torch's default, one thread per core)."""
+    """The CPU thread count `demo` and `generate` use without `--threads`: None (torch's default) when the
+    environment sets OMP_NUM_THREADS, else 1 for a local checkpoint under `SMALL_MODEL_BYTES`, else None (torch's
+    default, one thread per core)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return None
     size = _weight_bytes(model)
     return 1 if size is not None and size < SMALL_MODEL_BYTES else None
 
