@@ -17,10 +17,12 @@ DEMO_PROMPTS = os.path.join(os.path.dirname(__file__), "demo_prompts.json")
 #: Printed once, where TTFT and TPOT first appear (the definitions of `minirt.request.RequestMetrics`).
 LEGEND = ("TTFT = time to first token (request arrival to its first generated token: queueing and prefill); "
           "TPOT = time per output token (the mean gap between its later tokens: one decode step)")
-#: `demo` and `generate` default to one CPU thread for checkpoints whose weights are smaller than this. At the
-#: embedded model's size (11 MB) a decode step's matrix products are too small to split and a second thread only
-#: adds synchronisation: measured on the embedded model alone (benchmarks/cpu_threads.py,
-#: benchmarks/results/cpu/threads.json); larger checkpoints keep torch's default, one thread per core.
+#: `demo` and `generate` default to one CPU thread for checkpoints whose weights are smaller than this. Measured on
+#: the embedded model (11 MB; benchmarks/cpu_threads.py): on a 2-core machine shared with other work, one thread
+#: was 3.6x (generate's TPOT) to 24x (demo's) faster than two (benchmarks/results/cpu/threads.json); on idle cores
+#: more threads win, but by 1.4x to 1.7x, about a second of generation in commands that take longer to start
+#: (benchmarks/results/cpu/threads-idle.json). One thread is the safe default; `--threads` takes the rest. Larger
+#: checkpoints keep torch's default, one thread per core.
 SMALL_MODEL_BYTES = 256 * 2**20
 
 
