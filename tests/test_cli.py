@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 
 
 def _run(*args, timeout=300):
@@ -85,3 +87,74 @@ def test_the_default_work_folder_and_venv_are_ignored_by_git():
     proc = subprocess.run(["git", "-C", str(root), "check-ignore", "work/ex03_paged_blocks.ipynb", ".venv/bin/python"],
                           capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["work/ex03_paged_blocks.ipynb", ".venv/bin/python"], proc.stdout
+
+
+#: Runs the CLI in a fresh interpreter and records torch's thread count at every forward pass of the model: the
+#: count in force where the work is done, not the one the command says it set.
+THREAD_PROBE = """
+import sys, torch, minirt.cli
+from minirt.model.decoder import DecoderModel
+seen, forward = [], DecoderModel.forward
+def recording(self, *args, **kwargs):
+    seen.append(torch.get_num_threads())
+    return forward(self, *args, **kwargs)
+DecoderModel.forward = recording
+rc = minirt.cli.main(sys.argv[1:])
+print(f"FORWARD THREADS {sorted(set(seen))} {len(seen)}", file=sys.stderr)
+sys.exit(rc)
+"""
+_probed = {}
+
+
+def _probe(*args, omp=None):
+    """(stdout, stderr, thread counts seen by the model's forward) of `python -m minirt ARGS`, cached."""
+    import re
+
+    key = (args, omp)
+    if key not in _probed:
+        env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+        env.update(HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false", **({"OMP_NUM_THREADS": omp} if omp else {}))
+        proc = subprocess.run([sys.executable, "-c", THREAD_PROBE, *args], capture_output=True, text=True,
+                              timeout=300, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        m = re.search(r"FORWARD THREADS \[([0-9, ]*)\] ([0-9]+)", proc.stderr)
+        assert m and int(m.group(2)) > 0, proc.stderr[-2000:]
+        _probed[key] = proc.stdout, proc.stderr, [int(n) for n in m.group(1).split(",")]
+    return _probed[key]
+
+
+DEMO = ("demo", "--num-prompts", "2", "--max-new-tokens", "4")
+GENERATE = ("generate", "ROMEO:", "--max-new-tokens", "4")
+
+
+@pytest.mark.parametrize("command", [DEMO, GENERATE], ids=["demo", "generate"])
+def test_threads_flag_is_the_thread_count_of_the_run(default_model, command):
+    """`--threads 3` (more than this machine may have, so it is not torch's default by chance): every forward pass
+    runs with torch.get_num_threads() == 3, and the command says so."""
+    out, err, seen = _probe(*command, "--threads", "3")
+    assert seen == [3]
+    assert "3 CPU threads" in out + err
+
+
+def test_generate_defaults_to_one_thread_for_the_embedded_model_unless_omp_says_otherwise(default_model):
+    """Without --threads the embedded model runs on one thread (measured fastest: benchmarks/results/cpu/
+    threads.json), whatever torch's default; OMP_NUM_THREADS, when set, is what the user asked for and wins."""
+    assert _probe(*GENERATE)[2] == [1]
+    assert _probe(*GENERATE, omp="2")[2] == [2]
+    proc = _run(*GENERATE, "--threads", "0", timeout=120)
+    assert proc.returncode == 2 and "--threads: must be >= 1, got 0" in proc.stderr
+
+
+@pytest.mark.parametrize("command", [DEMO, GENERATE], ids=["demo", "generate"])
+def test_ttft_and_tpot_are_defined_where_they_are_first_printed(default_model, command):
+    """The legend line comes once, before the first line that shows a TTFT or TPOT figure, on the same stream."""
+    from minirt.cli import LEGEND
+
+    out, err, _ = _probe(*command, "--threads", "3")
+    stream = out if command is DEMO else err
+    lines = stream.splitlines()
+    assert lines.count(LEGEND) == 1, stream[-2000:]
+    first = next(i for i, line in enumerate(lines) if ("TTFT" in line or "TPOT" in line) and line != LEGEND)
+    assert lines.index(LEGEND) < first
+    assert "TTFT = time to first token" in LEGEND and "TPOT = time per output token" in LEGEND
+    assert "TTFT" not in (err if command is DEMO else out)        # nothing shows them on the other stream
