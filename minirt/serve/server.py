@@ -53,6 +53,46 @@ def engine_settings(args) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
 
 
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per `minirt.serve.limits.ServerLimits` field."""
+    from minirt.serve.limits import MAX_CONNECTIONS, RESERVED_FDS, ServerLimits
+
+    d = ServerLimits(max_connections=1)
+    g = p.add_argument_group("connection limits (minirt.serve.limits.ServerLimits; each refusal in OpenAI's error shape)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"request body size; larger gets 413 (default {d.max_body_bytes})")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help=f"seconds for a request head to arrive; else 408 and close (default {d.header_timeout_s})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help=f"seconds for a request body to arrive after its head; else 408 (default {d.body_timeout_s})")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout_s,
+                   help="seconds an idle connection stays open between requests; above the clients' own pool "
+                        "timeouts (httpx: 5 s), so that the client closes first (default %(default)s)")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help=f"open connections; beyond, the longest-idle one is closed, or 503 if all are busy "
+                        f"(default: {MAX_CONNECTIONS}, or the descriptor limit less {RESERVED_FDS})")
+
+
+def limit_settings(args):
+    from minirt.serve.limits import ServerLimits
+
+    return ServerLimits(args.max_body_bytes, args.header_timeout, args.body_timeout, args.keep_alive_timeout,
+                        args.max_connections)
+
+
+def raise_descriptor_limit(target: int = 65536) -> None:
+    """Raise the soft limit on open files towards the hard one (vLLM's `set_ulimit` does the same at start-up)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to an argparse subparsers object."""
     from minirt.engine import DEFAULT_MODEL
@@ -69,33 +109,31 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 is fastest for small models on a shared CPU)")
+    add_limit_flags(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     add_engine_settings(p)
     return p
 
 
-# How long an idle keep-alive connection stays open: longer than clients keep theirs (the openai client's httpx pool
-# expires idle connections after 5 s), so that the client drops one first. At equal timeouts a request sent on a
-# connection just as the server closes it fails with "connection reset" (a reverse proxy's backend keep-alive is set
-# above the proxy's idle timeout for the same reason).
-KEEP_ALIVE_S = 75
-
-
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           model_path: str | None = None, max_waiting: int = 256, shutdown_timeout: float = 30.0,
-          log_level: str = "info", sockets=None):
-    """Build the app over `engine` and return the uvicorn server (call `.run()`, or `.serve()` in a loop)."""
+          log_level: str = "info", sockets=None, limits=None):
+    """Build the app over `engine` and return the uvicorn server (call `.run()`, or `.serve()` in a loop).
+    `limits`: a `minirt.serve.limits.ServerLimits` (default: its defaults)."""
     import uvicorn
 
     from minirt.serve.app import build_app
+    from minirt.serve.limits import BodyLimit, ServerLimits, protocol_factory
     from minirt.serve.shutdown import DrainingServer
 
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {shutdown_timeout!r}")
     app = build_app(engine, model_name, model_path, max_waiting)
     # uvicorn's own deadline, after which it cancels handlers: later than the drain's, which answers them first
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout + 5, timeout_keep_alive=KEEP_ALIVE_S)
+    limits = limits or ServerLimits()
+    config = uvicorn.Config(BodyLimit(app, limits.max_body_bytes), host=host, port=port, log_level=log_level,
+                            lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5,
+                            http=protocol_factory(limits), timeout_keep_alive=limits.keep_alive_timeout_s)
     return DrainingServer(config, app.state.minirt, shutdown_timeout)
 
 
@@ -175,8 +213,9 @@ def run(args) -> int:
     print(f"minirt serve: {args.model} on {engine.device} ({engine.model.dtype}), {engine.pool.num_blocks} KV blocks "
           f"of {engine.config.block_size}, max_model_len {engine.config.max_model_len}", file=sys.stderr, flush=True)
     try:
+        raise_descriptor_limit()
         server = serve(engine, args.host, args.port, args.served_model_name, args.model, args.max_waiting,
-                       args.shutdown_timeout, args.log_level)
+                       args.shutdown_timeout, args.log_level, limits=limit_settings(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
