@@ -91,6 +91,7 @@ def validation_message(err: dict) -> tuple[str | None, str]:
     elif kind == "missing":
         return param, f"{param}: is required"
     elif kind == "extra_forbidden":
+        param = param if len(param) <= 100 else param[:100] + "..."
         return param, f"{param}: not a field minirt's server knows (unknown fields are refused, not ignored)"
     else:
         reason = err.get("msg", "is invalid").lower()

@@ -21,7 +21,7 @@ from __future__ import annotations
 import reprlib
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from minirt.request import RequestOutput, StreamDelta
 from minirt.sampling import SamplingParams
@@ -88,6 +88,15 @@ class _SamplingFields(BaseModel):
     skip_special_tokens: Any = None
     include_stop_str_in_output: Any = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data):
+        # OpenAI's SDK types make every optional field nullable ("temperature": null means the default)
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+        return data
+
     @field_validator("top_k")
     @classmethod
     def _no_limit(cls, k: int) -> int:
@@ -110,7 +119,9 @@ class CompletionRequest(_SamplingFields):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """One part of a message's content; only {"type": "text", "text": ...} is taken (`ChatMessage.text`)."""
+
+    model_config = ConfigDict(extra="allow")        # an image part's fields: refused by its type, by name
 
     type: str
     text: str | None = None
@@ -299,7 +310,10 @@ def delta_chunks(delta: StreamDelta, head: dict, chat: bool, first: bool, includ
 def error_body(message: str, param: str | None = None, type: str = "invalid_request_error",
                code: str | None = None) -> dict:
     """OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}; the message cut to
-    `MAX_MESSAGE_CHARS` (whatever input it quotes)."""
+    `MAX_MESSAGE_CHARS` (whatever input it quotes), the param (a field's name, which a client chooses) to
+    `MAX_ECHO_CHARS`."""
+    if param is not None and len(param) > MAX_ECHO_CHARS:
+        param = param[:MAX_ECHO_CHARS] + "..."
     if len(message) > MAX_MESSAGE_CHARS:
         message = f"{message[:MAX_MESSAGE_CHARS]}... ({len(message)} characters)"
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
