@@ -5,7 +5,7 @@ either honoured or refused by name with 400, never silently ignored:
 
 - honoured: the prompt or messages, `model`, `max_tokens` (chat: `max_completion_tokens` first), `temperature`,
   `top_p`, `seed`, `stop`, `stream`, `stream_options.include_usage`, `n` = 1, `user` (accepted, no effect), and
-  vLLM's extensions `top_k` (-1 or 0: no limit), `stop_token_ids`, `ignore_eos`;
+  vLLM's extensions `top_k` (0: no limit), `stop_token_ids`, `ignore_eos`;
 - refused when they ask for something (`REFUSED`: each field with the values that ask for nothing, which pass):
   penalties, `logprobs`, `n` > 1, tools and functions, `response_format`, ...; any other field (`extra="forbid"`).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 import reprlib
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from minirt.request import RequestOutput, StreamDelta
 from minirt.sampling import SamplingParams
@@ -69,7 +69,7 @@ class _SamplingFields(BaseModel):
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
-    top_k: int = Field(default=0, ge=-1)                    # extension (vLLM, TGI): 0 or -1 = no limit
+    top_k: int = Field(default=0, ge=0)                     # extension (vLLM, TGI): 0 = no limit
     ignore_eos: bool = False                                # extension (vLLM): generate max_tokens exactly
     stop_token_ids: list[int] | None = None                 # extension (vLLM): ids that end the answer
     seed: int | None = Field(default=None, ge=0, lt=2**63)
@@ -96,11 +96,6 @@ class _SamplingFields(BaseModel):
             fields = cls.model_fields
             return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
         return data
-
-    @field_validator("top_k")
-    @classmethod
-    def _no_limit(cls, k: int) -> int:
-        return 0 if k == -1 else k                          # vLLM's older "no limit"
 
     @property
     def requested_max_tokens(self) -> int | None:
