@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from pathlib import Path
@@ -184,6 +185,16 @@ def test_every_error_path_is_in_openai_shape(server, monkeypatch):
     r = h.post("/v1/completions", content=b"GET", headers={"content-type": "application/json"})
     assert openai_error(r, 400)["message"].startswith("body: malformed JSON")
 
+    host, port = server.url.split("//")[1].split(":")
+    for raw in [b"GARBAGE\r\n\r\n", b"GET / HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 70_000]:  # a head over 64 KiB
+        with socket.create_connection((host, int(port)), timeout=10) as sock:      # h11 cannot take it
+            sock.sendall(raw)
+            data = b""
+            while chunk := sock.recv(65536):
+                data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["message"].startswith("request: invalid HTTP")
+
     def broken(*a, **k):
         raise RuntimeError("a bug")
     monkeypatch.setattr(server.engine, "submit", broken)
@@ -206,6 +217,8 @@ def test_the_echo_of_a_bad_field_is_capped(server):
                  {"prompt": "x", "x" * 2**20: 1}]:
         r = server.http.post("/v1/completions", json=body)
         assert r.status_code == 400 and len(r.content) < 2000, (r.status_code, len(r.content))
+    err = protocol.error_body("m" * 10**6, param="p" * 10**6)["error"]             # the last guard, whatever quotes
+    assert len(err["message"]) < protocol.MAX_MESSAGE_CHARS + 50 and len(err["param"]) < protocol.MAX_ECHO_CHARS + 5
 
 
 # ============================================================================ text the tokenizer cannot take

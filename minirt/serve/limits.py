@@ -46,6 +46,9 @@ RESERVED_FDS = 64
 MAX_CONNECTIONS = 2048
 #: Bytes of a body already answered (413) read and dropped at most, so that the client can read the answer.
 DRAIN_BYTES = 16 * 2**20
+#: Bytes of a request head still incomplete at most (h11's `max_incomplete_event_size`); beyond, 400. A head that
+#: arrives whole in one read (asyncio reads up to 256 KiB) is parsed whatever its size.
+MAX_HEAD_BYTES = 64 * 2**10
 #: Seconds a refused connection may take to read its 503 before it is closed.
 LINGER_S = 1.0
 
@@ -318,7 +321,7 @@ class LimitedH11Protocol(H11Protocol):
             self.body_started = time.monotonic()
 
     def send_400_response(self, msg: str) -> None:
-        """An unparseable request (or a head over h11's size limit): 400 in OpenAI's shape, then close."""
+        """An unparseable request (or a head over `MAX_HEAD_BYTES`): 400 in OpenAI's shape, then close."""
         self.transport.write(raw_error(400, "Bad Request", f"request: invalid HTTP ({msg.rstrip('.')})",
                                        "invalid_request_error"))
         self.transport.close()

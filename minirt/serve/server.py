@@ -123,7 +123,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     import uvicorn
 
     from minirt.serve.app import build_app
-    from minirt.serve.limits import BodyLimit, ServerLimits, protocol_factory
+    from minirt.serve.limits import MAX_HEAD_BYTES, BodyLimit, ServerLimits, protocol_factory
     from minirt.serve.shutdown import DrainingServer
 
     if not shutdown_timeout >= 0:
@@ -133,7 +133,8 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     limits = limits or ServerLimits()
     config = uvicorn.Config(BodyLimit(app, limits.max_body_bytes), host=host, port=port, log_level=log_level,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5,
-                            http=protocol_factory(limits), timeout_keep_alive=limits.keep_alive_timeout_s)
+                            http=protocol_factory(limits), timeout_keep_alive=limits.keep_alive_timeout_s,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
     return DrainingServer(config, app.state.minirt, shutdown_timeout)
 
 
