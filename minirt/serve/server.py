@@ -74,10 +74,15 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
 
 
 def limit_settings(args):
+    """The `ServerLimits` of the flags; raises ValueError naming the flag."""
     from minirt.serve.limits import ServerLimits
 
-    return ServerLimits(args.max_body_bytes, args.header_timeout, args.body_timeout, args.keep_alive_timeout,
-                        args.max_connections)
+    try:
+        return ServerLimits(args.max_body_bytes, args.header_timeout, args.body_timeout, args.keep_alive_timeout,
+                            args.max_connections)
+    except ValueError as e:
+        field, _, reason = str(e).partition(":")
+        raise ValueError(f"--{field.removesuffix('_s').replace('_', '-')}:{reason}") from None
 
 
 def raise_descriptor_limit(target: int = 65536) -> None:
@@ -200,6 +205,12 @@ def run(args) -> int:
 
         torch.set_num_threads(args.threads)
     try:
+        raise_descriptor_limit()                  # before the limits, whose default max_connections reads it
+        limits = limit_settings(args)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
         engine = Engine(args.model, **engine_settings(args))
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -214,9 +225,8 @@ def run(args) -> int:
     print(f"minirt serve: {args.model} on {engine.device} ({engine.model.dtype}), {engine.pool.num_blocks} KV blocks "
           f"of {engine.config.block_size}, max_model_len {engine.config.max_model_len}", file=sys.stderr, flush=True)
     try:
-        raise_descriptor_limit()
         server = serve(engine, args.host, args.port, args.served_model_name, args.model, args.max_waiting,
-                       args.shutdown_timeout, args.log_level, limits=limit_settings(args))
+                       args.shutdown_timeout, args.log_level, limits=limits)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
