@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
-import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -193,7 +191,8 @@ def test_every_error_path_is_in_openai_shape(server, monkeypatch):
             while chunk := sock.recv(65536):
                 data += chunk
         head, _, body = data.partition(b"\r\n\r\n")
-        assert head.startswith(b"HTTP/1.1 400") and json.loads(body)["error"]["message"].startswith("request: invalid HTTP")
+        assert head.startswith(b"HTTP/1.1 400")
+        assert json.loads(body)["error"]["message"].startswith("request: invalid HTTP")
 
     def broken(*a, **k):
         raise RuntimeError("a bug")

@@ -248,8 +248,9 @@ class LimitedH11Protocol(H11Protocol):
         self.table.open.pop(self, None)              # its descriptor is on the way out: room for another
         if why in ("head", "body") and (self.cycle is None or not self.cycle.response_started):
             timeout = self.limits.header_timeout_s if why == "head" else self.limits.body_timeout_s
+            flag = "--body-timeout" if why == "body" else "--header-timeout"
             self.transport.write(raw_error(408, "Request Timeout", f"request {why}: not received within {timeout} s "
-                                           f"(--{why if why == 'body' else 'header'}-timeout)", "invalid_request_error"))
+                                           f"({flag})", "invalid_request_error"))
         self.transport.close()
 
     # ------------------------------------------------------------------ asyncio.Protocol

@@ -194,7 +194,8 @@ _NOT_SUPPORTED = "not supported by minirt's server"
 REFUSED: dict[str, tuple[tuple, str]] = {
     "n": ((1,), "only n = 1 (one choice per request; send n requests)"),
     "presence_penalty": ((0,), _NOT_SUPPORTED), "frequency_penalty": ((0,), _NOT_SUPPORTED),
-    "repetition_penalty": ((1,), _NOT_SUPPORTED), "logit_bias": (({},), _NOT_SUPPORTED), "min_p": ((0,), _NOT_SUPPORTED),
+    "repetition_penalty": ((1,), _NOT_SUPPORTED), "logit_bias": (({},), _NOT_SUPPORTED),
+    "min_p": ((0,), _NOT_SUPPORTED),
     "min_tokens": ((0,), "not supported by minirt's server (EOS cannot be held back yet)"),
     "response_format": (({"type": "text"},), "structured output (JSON mode, JSON schema) is not supported"),
     "skip_special_tokens": ((True,), "special tokens are always skipped in text"),

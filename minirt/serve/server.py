@@ -58,7 +58,7 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
     from minirt.serve.limits import MAX_CONNECTIONS, RESERVED_FDS, ServerLimits
 
     d = ServerLimits(max_connections=1)
-    g = p.add_argument_group("connection limits (minirt.serve.limits.ServerLimits; each refusal in OpenAI's error shape)")
+    g = p.add_argument_group("connection limits (minirt.serve.limits.ServerLimits; refusals in OpenAI's error shape)")
     g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
                    help=f"request body size; larger gets 413 (default {d.max_body_bytes})")
     g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
