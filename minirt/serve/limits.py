@@ -25,6 +25,7 @@ worker_connections; TGI's --payload-limit; uvicorn's --limit-concurrency (which 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -53,21 +54,36 @@ MAX_HEAD_BYTES = 64 * 2**10
 LINGER_S = 1.0
 
 
-def default_max_connections() -> int:
-    """`MAX_CONNECTIONS`, or fewer: the soft descriptor limit less those open now and `RESERVED_FDS`."""
+def _soft_fd_limit() -> int | None:
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def accept_backlog() -> int:
+    """The listen backlog: also how many connections asyncio accepts in one go, each holding a descriptor before it
+    is refused or makes room (`_accept_connection` loops `backlog` times). An eighth of the descriptor limit,
+    within [16, 2048] (uvicorn's default, 2048, would let one burst exhaust a limit of 1024)."""
+    soft = _soft_fd_limit()
+    return 2048 if soft is None else max(16, min(2048, soft // 8))
+
+
+def default_max_connections() -> int:
+    """`MAX_CONNECTIONS`, or fewer: the soft descriptor limit less those open now, `RESERVED_FDS`, and twice the
+    accept backlog (a burst accepted in one go, and as many connections closing to make room for it)."""
+    soft = _soft_fd_limit()
+    if soft is None:
+        return MAX_CONNECTIONS
     try:
         open_now = len(os.listdir("/proc/self/fd"))
     except OSError:
         open_now = 16
-    if soft == resource.RLIM_INFINITY:
-        return MAX_CONNECTIONS
-    return max(1, min(MAX_CONNECTIONS, soft - open_now - RESERVED_FDS))
+    return max(1, min(MAX_CONNECTIONS, soft - open_now - RESERVED_FDS - 2 * accept_backlog()))
 
 
 @dataclass
 class ServerLimits:
-    """The limits of one server (see the module docstring). `max_connections=None`: `default_max_connections()`.
+    """The limits of one server (see the module docstring). `max_connections=None`: `default_max_connections()`,
+    decided by `resolved()`.
     Raises ValueError naming the field for a value out of range."""
 
     max_body_bytes: int = 8 * 2**20
@@ -83,10 +99,16 @@ class ServerLimits:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and value > 0):
                 raise ValueError(f"{name}: must be > 0 seconds, got {value!r}")
-        if self.max_connections is None:
-            self.max_connections = default_max_connections()
-        elif not (isinstance(self.max_connections, int) and self.max_connections >= 1):
+        if self.max_connections is not None and not (isinstance(self.max_connections, int)
+                                                      and self.max_connections >= 1):
             raise ValueError(f"max_connections: must be an integer >= 1, got {self.max_connections!r}")
+
+    def resolved(self) -> "ServerLimits":
+        """These limits with `max_connections` decided: `default_max_connections()` where it is None. Called when
+        the server is built, after the model is loaded, so that the descriptors the load keeps open are counted."""
+        if self.max_connections is not None:
+            return self
+        return dataclasses.replace(self, max_connections=default_max_connections())
 
     @property
     def sweep_s(self) -> float:
@@ -330,7 +352,7 @@ class LimitedH11Protocol(H11Protocol):
 
 def protocol_factory(limits: ServerLimits):
     """What uvicorn's `Config(http=...)` takes: builds a `LimitedH11Protocol` per connection, over one table."""
-    table = ConnectionTable(limits)
+    table = ConnectionTable(limits.resolved())
 
     def make(config, server_state, app_state, _loop=None):
         return LimitedH11Protocol(config, server_state, app_state, _loop, table=table)

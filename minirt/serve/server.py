@@ -70,7 +70,8 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
                         "timeouts (httpx: 5 s), so that the client closes first (default %(default)s)")
     g.add_argument("--max-connections", type=int, default=None,
                    help=f"open connections; beyond, the longest-idle one is closed, or 503 if all are busy "
-                        f"(default: {MAX_CONNECTIONS}, or the descriptor limit less {RESERVED_FDS})")
+                        f"(default: {MAX_CONNECTIONS}, or fewer under the descriptor limit: {RESERVED_FDS} kept free, "
+                        f"and the listen backlog)")
 
 
 def limit_settings(args):
@@ -128,7 +129,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     import uvicorn
 
     from minirt.serve.app import build_app
-    from minirt.serve.limits import MAX_HEAD_BYTES, BodyLimit, ServerLimits, protocol_factory
+    from minirt.serve.limits import MAX_HEAD_BYTES, BodyLimit, ServerLimits, accept_backlog, protocol_factory
     from minirt.serve.shutdown import DrainingServer
 
     if not shutdown_timeout >= 0:
@@ -139,7 +140,7 @@ def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | N
     config = uvicorn.Config(BodyLimit(app, limits.max_body_bytes), host=host, port=port, log_level=log_level,
                             lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5,
                             http=protocol_factory(limits), timeout_keep_alive=limits.keep_alive_timeout_s,
-                            h11_max_incomplete_event_size=MAX_HEAD_BYTES)
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES, backlog=accept_backlog())
     return DrainingServer(config, app.state.minirt, shutdown_timeout)
 
 
