@@ -9,9 +9,9 @@ what one of them can hold (`ServerLimits`, one `python -m minirt serve` flag eac
                           connection, for its first request); else 408 and the connection closes (slowloris)
     body_timeout_s        its body within this many seconds of its head; else 408 and the connection closes
     keep_alive_timeout_s  a connection idle between two requests closes after this long
-    max_connections       open connections. A newcomer beyond it closes the connection idle longest among
-                          those with no request in flight (a slow or silent socket holds nothing worth keeping);
-                          if every one is busy, the newcomer gets 503 with Retry-After. The default stays below
+    max_connections       open connections. A newcomer beyond it closes the connection idle longest, else the
+                          one reading a request body longest (a slow or silent socket holds nothing worth
+                          keeping); if every one is being answered, the newcomer gets 503 with Retry-After. The default stays below
                           the process's file-descriptor limit, so accept() never runs out of descriptors.
 
 Where each lives: the body size in an ASGI middleware (`BodyLimit`), the rest in `LimitedH11Protocol`, uvicorn's
@@ -203,13 +203,14 @@ class ConnectionTable:
         self._sweep: asyncio.TimerHandle | None = None
 
     def admit(self, conn: "LimitedH11Protocol") -> bool:
-        """Make room for `conn` (closing the longest-idle connection with no request in flight if the table is
-        full) and add it; False if every open connection is busy."""
+        """Make room for `conn` if the table is full, closing the connection idle longest, else the one reading a
+        request body longest, and add it; False if every open connection is being answered."""
         if len(self.open) >= self.limits.max_connections:
             idle = [c for c in self.open if c.is_idle()]
-            if not idle:
+            reading = [] if idle else [c for c in self.open if c.is_reading_body()]
+            if not idle and not reading:
                 return False
-            victim = min(idle, key=lambda c: c.waiting_since)
+            victim = min(idle, key=lambda c: c.waiting_since) if idle else min(reading, key=lambda c: c.body_started)
             self.counts["evicted"] += 1
             victim.close("evicted")
         self.open[conn] = None
@@ -231,8 +232,9 @@ class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with `ServerLimits`' deadlines and connection cap (`ConnectionTable`).
 
     A connection is always in one of three states, read from h11's: waiting for a request head (idle, or a head
-    arriving: `is_idle`), reading a body (h11's SEND_BODY: the app reads it, or after an early answer such as 413
-    the protocol drops it), or busy (the request is read, the app answers: no deadline, streams may run long)."""
+    arriving: `is_idle`), reading a body (h11's SEND_BODY: the app reads it, `is_reading_body`, or after an early
+    answer such as 413 the protocol drops it), or busy (the request is read, the app answers: no deadline, streams
+    may run long, never evicted)."""
 
     def __init__(self, config, server_state, app_state, _loop=None, *, table: ConnectionTable):
         super().__init__(config, server_state, app_state, _loop)
@@ -249,6 +251,10 @@ class LimitedH11Protocol(H11Protocol):
     def is_idle(self) -> bool:
         """No request in flight: waiting for a head (or part of one)."""
         return self.conn.their_state is h11.IDLE and (self.cycle is None or self.cycle.response_complete)
+
+    def is_reading_body(self) -> bool:
+        """The request's head is in, its body is not, and no answer has started."""
+        return self.conn.their_state is h11.SEND_BODY and (self.cycle is None or not self.cycle.response_started)
 
     def expired(self, now: float) -> str | None:
         """The limit this connection has passed, if any: "head", "body" or "idle"."""

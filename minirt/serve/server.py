@@ -69,7 +69,7 @@ def add_limit_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds an idle connection stays open between requests; above the clients' own pool "
                         "timeouts (httpx: 5 s), so that the client closes first (default %(default)s)")
     g.add_argument("--max-connections", type=int, default=None,
-                   help=f"open connections; beyond, the longest-idle one is closed, or 503 if all are busy "
+                   help=f"open connections; beyond, the longest-idle one is closed, or 503 if all are being answered "
                         f"(default: {MAX_CONNECTIONS}, or fewer under the descriptor limit: {RESERVED_FDS} kept free, "
                         f"and the listen backlog)")
 
