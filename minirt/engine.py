@@ -22,9 +22,11 @@ leaving futures pending, and later submissions are refused until the engine is r
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import os
+import re
 import time
 from typing import AsyncIterator
 
@@ -49,6 +51,8 @@ DEFAULT_MODEL = os.path.join(os.path.dirname(__file__), "default_model")
 CPU_KV_CACHE_BYTES = 256 * 2**20
 CPU_KV_CACHE_TOKENS = 65536
 GPU_MEMORY_UTILIZATION = 0.85
+
+_SURROGATE = re.compile("[\ud800-\udfff]")     # a lone UTF-16 half: Python strings may hold one, UTF-8 cannot
 
 
 class EngineFailedError(RuntimeError):
@@ -216,11 +220,33 @@ class Engine:
             self._finish(request, "abort", "engine shut down")
 
     # ------------------------------------------------------------------ submission
+    @functools.cached_property
+    def max_prompt_chars(self) -> int:
+        """The longest text that can fit in `max_model_len` tokens: no token decodes to more characters than its
+        vocabulary entry has (byte-level BPE: one per byte; SentencePiece: one per character), so longer text is
+        refused before the tokenizer runs, which on megabytes of text takes seconds."""
+        return self.config.max_model_len * max(map(len, self.tokenizer.get_vocab()), default=1)
+
+    def encode(self, text: str, add_special_tokens: bool = True, field: str = "prompt") -> list[int]:
+        """`text` as token ids (`add_special_tokens`: a BOS if the tokenizer adds one). Raises ValueError naming
+        `field` for text longer than `max_prompt_chars` (checked first), text that is not valid Unicode (an
+        unpaired surrogate: no UTF-8 form) and anything else the tokenizer cannot take."""
+        if len(text) > self.max_prompt_chars:
+            raise ValueError(f"{field}: {len(text)} characters cannot fit in max_model_len = "
+                             f"{self.config.max_model_len} tokens (at most {self.max_prompt_chars} characters)")
+        if not text.isascii() and (bad := _SURROGATE.search(text)):
+            raise ValueError(f"{field}: is not valid Unicode text: unpaired surrogate {bad.group()!r} at index "
+                             f"{bad.start()}")
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens, verbose=False)
+        except Exception as e:               # noqa: BLE001 - whatever the tokenizer refuses is a bad request
+            raise ValueError(f"{field}: the tokenizer cannot encode it ({type(e).__name__}: {str(e)[:200]})") from None
+
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this checkpoint has no tokenizer; pass token ids (a list of int)")
-            return prompt, self.tokenizer.encode(prompt, verbose=False)   # its defaults: a BOS if it adds one
+            return prompt, self.encode(prompt)      # the tokenizer's defaults: a BOS if it adds one
         if isinstance(prompt, (list, tuple)):
             kinds = set(map(type, prompt))            # ints, and no bool (a subclass of int): checked per type
             if bool not in kinds and all(issubclass(kind, int) for kind in kinds):

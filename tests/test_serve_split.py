@@ -104,7 +104,7 @@ def test_two_front_ends_both_serve_and_share_their_counters():
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    proc = subprocess.Popen(_serve_cmd(port, "--api-server-count", "2"), cwd=ROOT, env=_env(),
+    proc = subprocess.Popen(_serve_cmd(port, "--api-server-count", "2", "--max-body-bytes", "4096"), cwd=ROOT, env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     body = {"prompt": "ROMEO:", "max_tokens": 4, "temperature": 0}
     try:
@@ -125,6 +125,12 @@ def test_two_front_ends_both_serve_and_share_their_counters():
             finally:
                 os.kill(stopped, signal.SIGCONT)
         assert texts[0] == texts[1]                    # greedy, one engine core
+        # the limits and the engine's own checks hold in the front-end processes too
+        big = httpx.post(url + "/v1/completions", json={**body, "prompt": "x" * 8192}, timeout=30)
+        assert big.status_code == 413 and "4096" in big.json()["error"]["message"], big.text
+        bad = httpx.post(url + "/v1/completions", content=json.dumps({**body, "prompt": "a\ud800b"}),
+                         headers={"content-type": "application/json"}, timeout=30)     # JSON's \ud800 escape
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt", bad.text
         for _ in range(4):                             # whichever front end answers, it counts both requests
             assert metric(url, "minirt:request_success_total", "finished_reason=length") == 2
             assert metric(url, "minirt:generation_tokens_total") == 8
@@ -181,6 +187,7 @@ def test_token_counters_move_per_step_while_the_request_runs(default_model, mode
 
 def test_the_front_end_validates_with_the_engines_own_function():
     assert EngineClient.validate is Engine.validate and EngineClient._tokenize is Engine._tokenize
+    assert EngineClient.encode is Engine.encode and EngineClient.max_prompt_chars is Engine.max_prompt_chars
 
 
 def test_a_front_end_started_after_the_core_died_answers_503(default_model):

@@ -1,6 +1,7 @@
 """Chapter 08: an OpenAI-compatible HTTP server over the asyncio engine (`python -m minirt serve`).
 
-    protocol.py   OpenAI's request models, responses and stream chunks (pydantic)
+    protocol.py   OpenAI's request models, responses and stream chunks (pydantic); fields honoured or refused
+    limits.py     limits on every connection: body size, read timeouts, keep-alive, open connections
     app.py        the FastAPI routes, admission (429/503), disconnects, SSE (sse-starlette)
     core.py       the engine-core process: an `Engine` whose steps run in a plain loop behind a ZMQ socket
     client.py     the front end's `EngineClient`: tokenizer, validation, detokenizer, stop strings; msgpack over ZMQ

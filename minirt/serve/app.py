@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from sse_starlette.sse import AppStatus, EventSourceResponse
 from starlette.background import BackgroundTask
 
@@ -38,7 +39,7 @@ from minirt.sampling import SamplingParams
 from minirt.serve.metrics import ServerMetrics
 from minirt.serve.protocol import (ChatCompletionRequest, CompletionRequest, RequestError, api_error,
                                    completion_response, delta_chunks, error_body, prompt_of, refuse_unsupported,
-                                   sampling_params)
+                                   sampling_params, short)
 
 logger = logging.getLogger("minirt.serve")
 
@@ -92,24 +93,45 @@ def error_response(status: int, message: str, param: str | None = None, type: st
 
 
 def validation_message(err: dict) -> tuple[str | None, str]:
-    """(param, message) of pydantic's first error: "max_tokens: must be >= 1, got 0"."""
+    """(param, message) of pydantic's first error: "max_tokens: must be >= 1, got 0". The param is the field's
+    path ("messages.0.role"), or "body" when the body as a whole is wrong; the input is echoed cut (`short`)."""
     loc = [str(x) for x in err.get("loc", ()) if x != "body"]
     # a union's branch shows up as a type name ("stop", "str"): the field is what comes before it
     tags = next((i for i, x in enumerate(loc) if "[" in x or x in ("str", "int", "float", "bool")), len(loc))
     loc = loc[:tags]
     kind, ctx = err.get("type", ""), err.get("ctx") or {}
     if kind == "json_invalid":
-        return None, f"body: malformed JSON ({ctx.get('error', err.get('msg'))})"
-    param = ".".join(loc) or None
+        return "body", f"body: malformed JSON ({ctx.get('error', err.get('msg'))})"
+    param = ".".join(loc) or "body"
     limits = {"greater_than_equal": ">= {ge}", "greater_than": "> {gt}", "less_than_equal": "<= {le}",
               "less_than": "< {lt}"}
     if kind in limits:
         reason = "must be " + limits[kind].format(**ctx)
     elif kind == "missing":
         return param, f"{param}: is required"
+    elif kind == "extra_forbidden":
+        param = param if len(param) <= 100 else param[:100] + "..."
+        return param, f"{param}: not a field minirt's server knows (unknown fields are refused, not ignored)"
     else:
         reason = err.get("msg", "is invalid").lower()
-    return param, f"{param}: {reason}, got {err.get('input')!r}"
+    return param, f"{param}: {reason}, got {short(err.get('input'))}"
+
+
+#: OpenAI's error `type` of an HTTP status without a more precise one.
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def http_error(request: Request, status: int, detail, headers: dict | None = None) -> JSONResponse:
+    """An HTTP error outside the routes' own checks (unknown route, wrong method, 413, ...) in OpenAI's shape."""
+    if status == 404 and detail in (None, "Not Found"):
+        message = f"{request.method} {short(request.url.path)}: no such route"
+    elif status == 405:
+        allowed = {k.lower(): v for k, v in (headers or {}).items()}.get("allow")
+        message = f"{request.method} {short(request.url.path)}: method not allowed (allowed: {allowed})"
+    else:
+        message = str(detail) if detail else f"HTTP {status}"
+    kind = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return error_response(status, message, type=kind, headers=headers)
 
 
 async def _disconnected(raw: Request) -> None:
@@ -144,6 +166,9 @@ def build_app(engine, model_name: str | None = None, model_path: str | None = No
     app.state.minirt = state
     app.add_middleware(StampArrival)
 
+    # Every error leaves in OpenAI's shape, {"error": {"message", "type", "param", "code"}}, never FastAPI's
+    # {"detail": ...}: body parse and validation errors (400), unknown routes (404), methods (405), 413, and
+    # exceptions nobody caught (500, logged with their traceback).
     @app.exception_handler(RequestValidationError)
     async def on_validation_error(request, exc: RequestValidationError):
         param, message = validation_message(exc.errors()[0])
@@ -152,6 +177,14 @@ def build_app(engine, model_name: str | None = None, model_path: str | None = No
     @app.exception_handler(RequestError)
     async def on_request_error(request, exc: RequestError):
         return error_response(400, str(exc), exc.param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request, exc: StarletteHTTPException):
+        return http_error(request, exc.status_code, exc.detail, exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request, exc: Exception):
+        return error_response(500, f"internal server error ({type(exc).__name__})", type="server_error")
 
     @app.get("/health")
     async def health():
@@ -181,13 +214,21 @@ def build_app(engine, model_name: str | None = None, model_path: str | None = No
         tokenizer = engine.tokenizer
         if tokenizer is None or not getattr(tokenizer, "chat_template", None):
             raise RequestError("messages", "messages: this model has no chat template; use /v1/completions")
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > engine.max_prompt_chars:      # refused before the template and the tokenizer run on megabytes
+            raise RequestError("messages", f"messages: {chars} characters of content cannot fit in max_model_len = "
+                                           f"{engine.config.max_model_len} tokens (at most {engine.max_prompt_chars})")
         try:
-            prompt = tokenizer.apply_chat_template([m.model_dump() for m in body.messages], tokenize=False,
-                                                   add_generation_prompt=True)
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as e:      # noqa: BLE001 - a template may refuse a conversation (roles out of order, ...)
-            raise RequestError("messages", f"messages: the model's chat template refused them ({e})") from None
+            raise RequestError("messages", f"messages: the model's chat template refused them ({short(str(e), 300)})"
+                               ) from None
         # The template writes its own special tokens (a BOS): encoded without adding them again, as vLLM does.
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
+        try:
+            ids = engine.encode(prompt, add_special_tokens=False, field="messages")
+        except ValueError as e:
+            raise RequestError("messages", str(e)) from None
         return await _serve(state, raw, body, ids, chat=True)
 
     return app
@@ -200,7 +241,7 @@ async def _serve(state: ServerState, raw: Request, body, prompt, chat: bool):
         return error_response(404, f"model: {body.model!r} does not exist; this server serves {state.model_name!r}",
                               "model", code="model_not_found")
     try:
-        max_tokens = body.max_tokens or getattr(body, "max_completion_tokens", None)
+        max_tokens = body.requested_max_tokens
         if max_tokens is None and chat:      # the room the context leaves (completions: OpenAI's 16)
             _, prompt, _ = engine.validate(prompt, SamplingParams(max_new_tokens=1))   # the ids, from here on
             max_tokens = max(1, engine.config.max_model_len - len(prompt))

@@ -9,7 +9,7 @@ so the text, the stop strings and the held-back stream text are those of `LLM.ge
 stop string found here ends the request at once (its future resolves) and sends ABORT to the core, which may
 have computed a token or two more: they are dropped.
 
-`validate` IS `Engine.validate`, the same function: it reads `tokenizer`, `config`, `model.config.vocab_size`,
+`validate`, `encode` and `max_prompt_chars` ARE `Engine`'s, the same functions: they read `tokenizer`, `config`, `model.config.vocab_size`,
 `pool.num_blocks` and `requests`, which the client mirrors from the core's settings, so every check the engine
 makes on a request runs here, before anything is sent.
 
@@ -56,6 +56,8 @@ class EngineClient:
 
     validate = Engine.validate          # the same checks in both modes (see the module's docstring)
     _tokenize = Engine._tokenize
+    encode = Engine.encode
+    max_prompt_chars = Engine.max_prompt_chars
 
     def __init__(self, address: str, info: dict):
         self.address, self.info = address, info

@@ -69,6 +69,52 @@ def engine_settings(args) -> dict:
     return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
 
 
+def add_limit_flags(p: argparse.ArgumentParser) -> None:
+    """One flag per `minirt.serve.limits.ServerLimits` field."""
+    from minirt.serve.limits import MAX_CONNECTIONS, RESERVED_FDS, ServerLimits
+
+    d = ServerLimits(max_connections=1)
+    g = p.add_argument_group("connection limits (minirt.serve.limits.ServerLimits; refusals in OpenAI's error shape)")
+    g.add_argument("--max-body-bytes", type=int, default=d.max_body_bytes,
+                   help=f"request body size; larger gets 413 (default {d.max_body_bytes})")
+    g.add_argument("--header-timeout", type=float, default=d.header_timeout_s,
+                   help=f"seconds for a request head to arrive; else 408 and close (default {d.header_timeout_s})")
+    g.add_argument("--body-timeout", type=float, default=d.body_timeout_s,
+                   help=f"seconds for a request body to arrive after its head; else 408 (default {d.body_timeout_s})")
+    g.add_argument("--keep-alive-timeout", type=float, default=d.keep_alive_timeout_s,
+                   help="seconds an idle connection stays open between requests; above the clients' own pool "
+                        "timeouts (httpx: 5 s), so that the client closes first (default %(default)s)")
+    g.add_argument("--max-connections", type=int, default=None,
+                   help=f"open connections; beyond, the longest-idle one is closed, or 503 if all are being answered "
+                        f"(default: {MAX_CONNECTIONS}, or fewer under the descriptor limit: {RESERVED_FDS} kept free, "
+                        f"and the listen backlog)")
+
+
+def limit_settings(args):
+    """The `ServerLimits` of the flags; raises ValueError naming the flag."""
+    from minirt.serve.limits import ServerLimits
+
+    try:
+        return ServerLimits(args.max_body_bytes, args.header_timeout, args.body_timeout, args.keep_alive_timeout,
+                            args.max_connections)
+    except ValueError as e:
+        field, _, reason = str(e).partition(":")
+        raise ValueError(f"--{field.removesuffix('_s').replace('_', '-')}:{reason}") from None
+
+
+def raise_descriptor_limit(target: int = 65536) -> None:
+    """Raise the soft limit on open files towards the hard one (vLLM's `set_ulimit` does the same at start-up)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+        except (ValueError, OSError):
+            pass
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add `serve` to an argparse subparsers object."""
     from minirt.engine import DEFAULT_MODEL
@@ -85,6 +131,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are aborted")
     p.add_argument("--threads", type=int, default=None,
                    help="torch intra-op threads (default: torch's choice; 1 is fastest for small models on a shared CPU)")
+    add_limit_flags(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--api-server-count", type=int, default=1,
                    help="HTTP front-end processes sharing the listening socket and one engine core (default 1)")
@@ -94,28 +141,26 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-# How long an idle keep-alive connection stays open: longer than clients keep theirs (the openai client's httpx pool
-# expires idle connections after 5 s), so that the client drops one first. At equal timeouts a request sent on a
-# connection just as the server closes it fails with "connection reset" (a reverse proxy's backend keep-alive is set
-# above the proxy's idle timeout for the same reason).
-KEEP_ALIVE_S = 75
-
-
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           model_path: str | None = None, max_waiting: int = 256, shutdown_timeout: float = 30.0,
-          log_level: str = "info", sockets=None):
-    """Build the app over `engine` and return the uvicorn server (call `.run()`, or `.serve()` in a loop)."""
+          log_level: str = "info", sockets=None, limits=None):
+    """Build the app over `engine` and return the uvicorn server (call `.run()`, or `.serve()` in a loop).
+    `limits`: a `minirt.serve.limits.ServerLimits` (default: its defaults)."""
     import uvicorn
 
     from minirt.serve.app import build_app
+    from minirt.serve.limits import MAX_HEAD_BYTES, BodyLimit, ServerLimits, accept_backlog, protocol_factory
     from minirt.serve.shutdown import DrainingServer
 
     if not shutdown_timeout >= 0:
         raise ValueError(f"shutdown_timeout: must be >= 0 seconds, got {shutdown_timeout!r}")
     app = build_app(engine, model_name, model_path, max_waiting)
     # uvicorn's own deadline, after which it cancels handlers: later than the drain's, which answers them first
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="on",
-                            timeout_graceful_shutdown=shutdown_timeout + 5, timeout_keep_alive=KEEP_ALIVE_S)
+    limits = limits or ServerLimits()
+    config = uvicorn.Config(BodyLimit(app, limits.max_body_bytes), host=host, port=port, log_level=log_level,
+                            lifespan="on", timeout_graceful_shutdown=shutdown_timeout + 5,
+                            http=protocol_factory(limits), timeout_keep_alive=limits.keep_alive_timeout_s,
+                            h11_max_incomplete_event_size=MAX_HEAD_BYTES, backlog=accept_backlog())
     return DrainingServer(config, app.state.minirt, shutdown_timeout)
 
 
@@ -175,8 +220,14 @@ def run(args) -> int:
     if args.in_process and args.api_server_count > 1:
         print("error: --api-server-count: needs the engine core in its own process (drop --in-process)", file=sys.stderr)
         return 2
+    try:
+        raise_descriptor_limit()                  # before the limits, whose default max_connections reads it
+        limits = limit_settings(args)             # bad limits refused before the model loads
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.in_process:
-        return _run_in_process(args)
+        return _run_in_process(args, limits)
     try:
         core = start_engine_core(args.model, engine_settings(args), args.threads)
     except EngineCoreStartError as e:
@@ -191,13 +242,13 @@ def run(args) -> int:
               f"{c['block_size']}, max_model_len {c['max_model_len']}; engine core pid {core.popen.pid}",
               file=sys.stderr, flush=True)
         if args.api_server_count == 1:
-            return _run_front_end(EngineClient(core.address, info), args)
+            return _run_front_end(EngineClient(core.address, info), args, limits)
         return _run_front_ends(core, args)
     finally:
         core.stop()
 
 
-def _run_in_process(args) -> int:
+def _run_in_process(args, limits) -> int:
     from minirt import Engine
 
     if args.threads is not None:
@@ -216,7 +267,7 @@ def _run_in_process(args) -> int:
         return _no_tokenizer(args)
     print(f"minirt serve: {args.model} on {engine.device} ({engine.model.dtype}), {engine.pool.num_blocks} KV blocks "
           f"of {engine.config.block_size}, max_model_len {engine.config.max_model_len}", file=sys.stderr, flush=True)
-    return _run_front_end(engine, args)
+    return _run_front_end(engine, args, limits)
 
 
 def _no_tokenizer(args) -> int:
@@ -225,11 +276,12 @@ def _no_tokenizer(args) -> int:
     return 1
 
 
-def _run_front_end(engine, args, sockets=None) -> int:
-    """Serve HTTP over `engine` (an `Engine` or an `EngineClient`) until SIGINT/SIGTERM; drain, return 0."""
+def _run_front_end(engine, args, limits, sockets=None) -> int:
+    """Serve HTTP over `engine` (an `Engine` or an `EngineClient`) with the connection `limits` until SIGINT or
+    SIGTERM; drain, return 0."""
     try:
         server = serve(engine, args.host, args.port, args.served_model_name, args.model, args.max_waiting,
-                       args.shutdown_timeout, args.log_level)
+                       args.shutdown_timeout, args.log_level, limits=limits)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -249,6 +301,8 @@ def _run_front_end(engine, args, sockets=None) -> int:
 def _run_front_ends(core, args) -> int:
     """`--api-server-count N`: bind the port here, start N front ends that inherit the socket, forward SIGINT and
     SIGTERM to them (each drains), wait for all. Their counters meet in prometheus_client's multiprocess folder."""
+    from minirt.serve.limits import accept_backlog
+
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -256,7 +310,7 @@ def _run_front_ends(core, args) -> int:
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
-    sock.listen(2048)
+    sock.listen(accept_backlog())
     metrics_dir = tempfile.mkdtemp(prefix="minirt-metrics-")
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     spec = {"fd": sock.fileno(), "address": core.address, "info": core.info,
@@ -313,7 +367,8 @@ def _front_end_main() -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s:     %(message)s")
     sock = socket.socket(fileno=spec["fd"])
     threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    return _run_front_end(EngineClient(spec["address"], spec["info"]), args, sockets=[sock])
+    raise_descriptor_limit()
+    return _run_front_end(EngineClient(spec["address"], spec["info"]), args, limit_settings(args), sockets=[sock])
 
 
 def _exit_cleanly(signum, frame):
