@@ -353,7 +353,7 @@ REPLY_FIELDS = {"ok": {"kind", "value", "printed"}, "raised": {"kind", "type", "
 def _outcome_of(reply: dict):
     """(kind, value, printed) from a worker's reply to a case; ValueError when it does not follow the protocol
     (its fields and their types exactly; the value as `wire.decode` accepts it)."""
-    from minirt.course import checks, wire
+    from minirt.course import checks
 
     kind = reply.get("kind")
     if not isinstance(kind, str) or REPLY_FIELDS.get(kind) != set(reply):
@@ -458,13 +458,12 @@ def run_submission(nb, task_specs: list[TaskSpec], expectations: Expectations, s
     the worker while it runs (the grader's watchdog kills it there)."""
 
     from minirt.course import provenance
-    from minirt.course.sandbox import Limits, Worker
+    from minirt.course.sandbox import Limits
 
     start = time.monotonic()
     plan, problems, sources = make_plan(nb, task_specs, cell_timeout)
     scores = {s.task: 0.0 for s in task_specs}
     notes: dict[str, str] = dict(problems)
-    points = {s.task: s.points for s in task_specs}
     for s in task_specs:                      # the references' modules, by their trusted names, before the screen
         provenance.reference_objects(s.task)
     tamper, warnings = provenance.screen(sources)
