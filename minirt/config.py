@@ -13,6 +13,9 @@ import inspect
 from dataclasses import dataclass
 
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
+QUANTIZATION_METHODS = (None, "int8", "fp8")
+SPECULATIVE_METHODS = (None, "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 16
 
 #: Switches that are True, False or None (None: on where the rules of `minirt.fast.plan` say it pays).
 AUTO_SWITCHES = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl",
@@ -59,6 +62,17 @@ class EngineConfig:
     rotary_cache: each step's cos and sin looked up per position in a table filled once (vLLM's cos_sin_cache), not
     computed. argmax_in_gemv: a greedy one-row step's argmax taken in the LM head GEMV's epilogue, the logits never
     written.
+
+    Chapter 10 (`minirt.quant`): quantization: None (the checkpoint's own weights; a pre-quantized FP8 checkpoint
+    loads by its `quantization_config`), "int8" or "fp8" (e4m3): the linear layers' weights quantized at load,
+    symmetric, weight-only. weight_block_size: None (one scale per output channel) or B (one scale per B x B block,
+    the FP8 checkpoints' layout with B = 128).
+
+    Chapter 11 (`minirt.spec`): speculative: None, "ngram" (prompt lookup: the draft is what followed the last
+    n-gram's earlier occurrence) or "draft" (a small model of the same tokenizer). num_speculative_tokens: k, the
+    tokens drafted per step (None: 4 where speculative is set). speculative_model: the draft model's checkpoint
+    (None: the one shipped beside the default model). prompt_lookup_min, prompt_lookup_max: the n-gram lengths the
+    "ngram" drafter tries, longest first (vLLM's names).
     """
 
     device: object = None
@@ -93,6 +107,15 @@ class EngineConfig:
     argmax_in_gemv: bool | None = None
     # chapter 09: processes the model is sharded over (`minirt.parallel`; 1: this process only)
     tensor_parallel_size: int = 1
+    # chapter 10
+    quantization: str | None = None
+    weight_block_size: int | None = None
+    # chapter 11
+    speculative: str | None = None
+    num_speculative_tokens: int | None = None
+    speculative_model: object = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",
@@ -100,10 +123,30 @@ class EngineConfig:
             value = getattr(self, name)
             if not _is_int(value) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        for name in ("num_kv_blocks", "max_model_len", "num_scheduler_steps"):
+        for name in ("num_kv_blocks", "max_model_len", "num_scheduler_steps", "weight_block_size"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name}: must be an integer >= 1 or None, got {value!r}")
+        if self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization: must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative: must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        k = self.num_speculative_tokens
+        if k is not None:
+            if not _is_int(k) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+                raise ValueError(f"num_speculative_tokens: must be an integer in [1, {MAX_SPECULATIVE_TOKENS}] or "
+                                 f"None, got {k!r}")
+            if self.speculative is None:
+                raise ValueError("num_speculative_tokens: set, but speculative is None (choose 'ngram' or 'draft')")
+        if self.speculative_model is not None and self.speculative != "draft":
+            raise ValueError(f"speculative_model: set, but speculative is {self.speculative!r} (it needs 'draft')")
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min: {self.prompt_lookup_min} exceeds prompt_lookup_max = "
+                             f"{self.prompt_lookup_max}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend: must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         for name in ("enable_prefix_caching", "split_kv", "enforce_eager"):
