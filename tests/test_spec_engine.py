@@ -325,7 +325,7 @@ def test_stop_strings_inside_an_accepted_run():
 # ------------------------------------------------------------------------------------------------ load
 def test_no_block_leaked_after_a_load_with_aborts(tiny_models):
     """500 short requests through a small pool (preemptions), one in ten aborted mid-flight, invariants checked
-    after every step; at the end every block is free, the drafter holds nothing, and each request that finished
+    after every step (and no request holds a block past its tokens: rejected drafts' blocks are released); at the end every block is free, the drafter holds nothing, and each request that finished
     has the plain engine's tokens."""
     path = tiny_models["qwen3"]
     rng = random.Random(0)
@@ -342,6 +342,8 @@ def test_no_block_leaked_after_a_load_with_aborts(tiny_models):
     while engine.scheduler.has_work():
         assert engine.step_fn()
         engine.scheduler.check_invariants()
+        for r in [*engine.prefilling_requests, *engine.running_requests]:    # rejected drafts' blocks released
+            assert len(r.block_table) <= -(-len(r.token_ids) // 4), (r.request_id, r.block_table, len(r.token_ids))
         steps += 1
         for i in [i for i in doomed if requests[i].num_output_tokens and rng.random() < 0.3]:
             engine.abort(requests[i].request_id)
