@@ -120,17 +120,21 @@ class SpeculativeSteps:
     was scheduled, as `Engine.step` does. `proposer`: the drafter; `num_speculative_tokens`: k;
     `max_batch`: the running batch above which no step drafts. Counts, since the engine started: `num_drafts`
     (verified drafts, one per request and step), `num_draft_tokens` (their tokens), `num_accepted_tokens` (those the
-    acceptance rule kept, before stop checks)."""
+    acceptance rule kept, before stop checks), `num_target_forwards` (a request sampled in a step, draft or none)
+    and `num_emitted_tokens` (the tokens those gave, before stop checks): their ratio is the tokens per target
+    forward."""
 
     def __init__(self, engine, proposer: Proposer, num_speculative_tokens: int, max_batch: int):
         self.engine, self.proposer = engine, proposer
         self.k, self.max_batch = num_speculative_tokens, max_batch
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_target_forwards = self.num_emitted_tokens = 0
         engine.scheduler.on_remove = proposer.remove
 
     def stats(self) -> dict:
         return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
-                "spec_num_accepted_tokens": self.num_accepted_tokens}
+                "spec_num_accepted_tokens": self.num_accepted_tokens, "spec_num_target_forwards":
+                self.num_target_forwards, "spec_num_emitted_tokens": self.num_emitted_tokens}
 
     def step(self) -> bool:
         engine, scheduler = self.engine, self.engine.scheduler
@@ -219,6 +223,8 @@ class SpeculativeSteps:
                 if q is not None:
                     q = q[:m].to(probs[request].device)
                 emitted[request] = rejection_sample(draft, q, probs[request], request.generator)
+            self.num_target_forwards += 1
+            self.num_emitted_tokens += len(emitted[request])
             if m:
                 self.num_drafts += 1
                 self.num_draft_tokens += m
