@@ -403,3 +403,20 @@ def test_ngram_proposer_is_prompt_lookup():
         token_ids = [5, 6, 7, 8, 5, 6]
     assert NgramProposer(1, 3).propose([R()], [2]) == [[7, 8]]
     assert NgramProposer(3, 3).propose([R()], [2]) == [[]]
+
+
+def test_draft_model_greedy_output_equals_the_plain_engine_with_preemption():
+    """The shipped draft model (`minirt.spec.draft_model.DraftModelProposer`) on the embedded model, in a pool small
+    enough to preempt: the tokens equal the plain engine's, and its drafts are accepted often."""
+    prompts = ["ROMEO:\nWhat light through yonder window breaks", "To be, or not to be, that is the question",
+               "Of man's first disobedience, and the fruit", "KING HENRY:\nOnce more unto the breach"] * 2
+    params = SamplingParams(max_new_tokens=32)
+    plain = minirt.LLM(minirt.DEFAULT_MODEL, block_size=4).generate(prompts, params)
+    llm = minirt.LLM(minirt.DEFAULT_MODEL, block_size=4, num_kv_blocks=40, speculative="draft",
+                     num_speculative_tokens=4)
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert stats["spec_num_accepted_tokens"] > 0.2 * stats["spec_num_draft_tokens"]
+    llm.engine.scheduler.check_invariants()
