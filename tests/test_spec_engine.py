@@ -160,6 +160,32 @@ def test_greedy_with_preemption_in_a_tiny_pool(tiny_models):
     assert stats["num_free_blocks"] == stats["num_total_blocks"] and not llm.engine.speculation.proposer.live
 
 
+def test_greedy_through_the_fast_runner_and_streamed(tiny_models):
+    """Verification steps through chapter 07's runner (`FastModelRunner`: its numpy step builder and staged inputs,
+    merged projections on the CPU), and a streamed request whose deltas carry each accepted run."""
+    import asyncio
+
+    path, n = tiny_models["qwen3"], 24
+    prompts = prompts_for(13, 4)
+    truth = greedy_truth(path, prompts, n)
+    llm = spec_llm(path, TruthProposer(truth, corrupt=0.3), k=4, block_size=4, merge_projections=True)
+    assert type(llm.engine.model_runner).__name__ == "FastModelRunner"
+    assert [o.token_ids for o in llm.generate(prompts, SamplingParams(max_new_tokens=n))] == [
+        truth[tuple(p)] for p in prompts]
+
+    async def stream():
+        engine = minirt.Engine(path, speculative="ngram", block_size=4)
+        engine.speculation.proposer = TruthProposer(truth, corrupt=0.3)
+        engine.speculation.max_batch = 10**6
+        async with engine:
+            deltas = [d async for d in engine.stream(prompts[1], SamplingParams(max_new_tokens=n))]
+        return deltas, engine.stats()
+
+    deltas, stats = asyncio.run(stream())
+    assert [t for d in deltas for t in d.token_ids] == truth[tuple(prompts[1])] and deltas[-1].finished
+    assert any(len(d.token_ids) > 1 for d in deltas) and stats["spec_num_accepted_tokens"] > 0
+
+
 # ------------------------------------------------------------------------------------------------ sampling
 SMALL_VOCAB = 6
 
