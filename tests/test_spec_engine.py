@@ -393,16 +393,16 @@ def test_the_plan_resolves_speculation():
     assert (plan.speculative, plan.num_speculative_tokens, plan.speculative_max_batch) == ("draft", 7, 16)
     off = resolve_plan(EngineConfig(), cpu)
     assert (off.speculative, off.num_speculative_tokens, off.speculative_max_batch) == (None, 0, 0)
-    # on a Hopper, multi-step decode, overlap and async scheduling (on by default there) go off; graphs stay
+    # on a Hopper, overlap and async scheduling (on by default there) go off; graphs and multi-step decode stay
     hopper = resolve_plan(EngineConfig(), torch.device("cuda"), hardware=HOPPER)
     assert hopper.num_scheduler_steps == 8 and hopper.overlap_scheduling and hopper.async_scheduling
     spec = resolve_plan(EngineConfig(speculative="ngram"), torch.device("cuda"), hardware=HOPPER)
-    assert spec.num_scheduler_steps == 1 and not spec.overlap_scheduling and not spec.async_scheduling
+    assert spec.num_scheduler_steps == 8 and not spec.overlap_scheduling and not spec.async_scheduling
     assert spec.cuda_graphs and spec.piecewise_graphs and spec.speculative == "ngram"
 
 
-@pytest.mark.parametrize("setting, value", [("tensor_parallel_size", 2), ("num_scheduler_steps", 4),
-                                            ("async_scheduling", True), ("overlap_scheduling", True)])
+@pytest.mark.parametrize("setting, value", [("tensor_parallel_size", 2), ("async_scheduling", True),
+                                            ("overlap_scheduling", True)])
 def test_the_plan_refuses_what_does_not_combine_by_name(setting, value):
     for device, hw in (("cpu", None), ("cuda", HOPPER)):
         with pytest.raises(ValueError, match=rf"^{'speculative' if setting == 'tensor_parallel_size' else setting}: "
@@ -446,3 +446,21 @@ def test_draft_model_greedy_output_equals_the_plain_engine_with_preemption():
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
     assert stats["spec_num_accepted_tokens"] > 0.2 * stats["spec_num_draft_tokens"]
     llm.engine.scheduler.check_invariants()
+
+
+def test_steps_that_draft_nothing_run_bursts_of_multi_step_decode(tiny_models):
+    """With multi-step decode in the plan, a batch above `speculative_max_batch` runs bursts (several tokens per
+    request and step, no draft), and drafting resumes once the batch is small again; the tokens stay exact."""
+    path, n = tiny_models["qwen2"], 24
+    prompts = prompts_for(17, 6)
+    truth = greedy_truth(path, prompts, n)
+    llm = spec_llm(path, TruthProposer(truth, corrupt=0.3), k=3, block_size=4, num_scheduler_steps=4,
+                   overlap_scheduling=False)
+    llm.engine.speculation.max_batch = 3
+    steps = []
+    llm.engine.step_callbacks.append(lambda engine, batch: steps.append(len(engine.running_requests)))
+    outs = llm.generate(prompts, [SamplingParams(max_new_tokens=n - 3 * i) for i in range(6)])
+    assert [o.token_ids for o in outs] == [truth[tuple(p)][:n - 3 * i] for i, p in enumerate(prompts)]
+    stats = llm.engine.stats()
+    assert stats["num_steps"] > len(steps)                      # some engine steps were bursts
+    assert stats["spec_num_accepted_tokens"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
