@@ -4,7 +4,8 @@
 loads, so that a switch that cannot run is refused by name first. Then it builds what the plan says: its runner
 (`build_model_runner`: the plan's fast modules swapped into the model, its attention kernels and CUDA graphs,
 `minirt.fast.runner`), its scheduler (`minirt.fast.multi_step.BurstScheduler` with multi-step decode) and its step
-(`choose_step`: bursts of decode steps, overlap and async scheduling). `Engine.step`, the step chapter 05 shows, is
+(`choose_step`: bursts of decode steps, overlap and async scheduling; with the plan's `speculative`, chapter 11's
+scheduler and step, `minirt.spec.engine`). `Engine.step`, the step chapter 05 shows, is
 never replaced; the step the loop runs is stored apart, in `step_fn` (as vLLM v1 keeps `step` and its `step_fn`).
 """
 
