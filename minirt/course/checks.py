@@ -1737,9 +1737,9 @@ def ex11_rejection_sample() -> Spec:
         if rng.random() < 0.5:
             fixed = [rng.randrange(V) for _ in range(k)]
             return dist(f"seeded case {j}", lambda: _probs(a, k + 1, V), None, fixed, 2000, seed,
-                        f"draft={fixed}, draft_probs=None, p [{k + 1}, {V}] random")
+                        f"draft={fixed}, draft_probs=None, p [{k + 1}, {V}] random (seed {a})")
         return dist(f"seeded case {j}", lambda: _probs(a, k + 1, V), lambda: _probs(b, k, V), None, 2000, seed,
-                    f"p [{k + 1}, {V}] and q [{k}, {V}] random")
+                    f"p [{k + 1}, {V}] and q [{k}, {V}] random (seeds {a}, {b})")
     return Spec(reference, cases, run=run, extra=lambda rng: [seeded(j, rng) for j in (1, 2)])
 
 
