@@ -50,7 +50,7 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     """The plan as the contract says, or the name of the first switch that must be refused."""
     if cfg.weight_block_size is not None and cfg.quantization is None:     # on a float checkpoint
         return "weight_block_size"
-    quantized = cfg.quantization is not None            # the quantized weights are not nn.Linear: no merge, no GEMV
+    quantized = cfg.quantization is not None     # quantized linears run quant_gemv: no norm prologue, no L2 chain
     asked = {name: getattr(cfg, name) for name in ON_OFF}
     asked["flash_attn"] = cfg.attention_backend == "flash_attn"            # "auto" never picks it (measured)
     asked["triton"] = {"auto": None, "triton": True, "torch": False, "flash_attn": False}[cfg.attention_backend]
@@ -64,7 +64,7 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
             "pdl": lambda: on["cuda_graphs"], "combine_in_attention": lambda: False, "l2_prefetch": lambda: on["pdl"]}
     for name in order:
         possible = can_run(name, hw) and all(on[n] for n in NEEDS.get(name, []))
-        if name in ("merge_projections", "gemv"):
+        if name in ("norm_in_gemv", "l2_prefetch"):
             possible = possible and not quantized
         if name == "cuda_graphs":                       # a kernel that can be captured: Triton's or flash-attn's
             possible = can_run(name, hw) and (on["triton"] or on["flash_attn"])
@@ -89,6 +89,9 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     if asked["argmax_in_gemv"] is True and not on["gemv"]:
         return "argmax_in_gemv"
     on["argmax_in_gemv"] = on["gemv"] if asked["argmax_in_gemv"] is None else asked["argmax_in_gemv"]
+    # the quantized linears' kernels: off with gemv asked off, else on CUDA with Triton wherever weights are quantized
+    on["quant_gemv"] = (asked["gemv"] is not False and quantized and hw.device_type == "cuda"
+                        and can_run("gemv", hw))
     on["quantization"], on["weight_block_size"] = cfg.quantization, cfg.weight_block_size
     return on
 

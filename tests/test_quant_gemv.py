@@ -135,3 +135,131 @@ def test_quant_gemv_argument_errors():
     with pytest.raises(ValueError, match=r"^bias: must be a contiguous \[8\] in torch.float32"):
         quant_gemv(x, q, scale, None, torch.randn(8, dtype=torch.bfloat16))
     assert quant_gemv(torch.randn(0, 16), q, scale).shape == (0, 8)      # no rows: no kernel
+
+
+# ------------------------------------------------------------------ the fast module swapped in for QuantizedLinear
+def quantized_layer(k, n, method, block_size, bias=True, seed=0):
+    from minirt.quant.linear import QuantizedLinear
+
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(k, n, bias=bias)
+    return QuantizedLinear.from_linear(linear, method, block_size)
+
+
+def oracle(layer, x):
+    """x @ dequantize(weight, weight_scale).T + bias in float64: the contract, from the formats module."""
+    y = x.double() @ dequantize(layer.weight, layer.weight_scale, layer.block_size).double().T
+    return y if layer.bias is None else y + layer.bias.double()
+
+
+@pytest.mark.parametrize("method,block_size", [("int8", None), ("fp8", None), ("fp8", 32), ("int8", 16)])
+def test_fast_quantized_linear_sends_few_rows_to_the_gemv_and_keeps_the_product(method, block_size):
+    """Up to MAX_ROWS rows go to the GEMV (here its torch contract), more to the many-rows product; both give the
+    dequantized product (float32), whatever the leading dims."""
+    from minirt.fast.quant_layers import MAX_ROWS, FastQuantizedLinear, dequantize_linear, quant_gemv_reference
+
+    layer = quantized_layer(64, 96, method, block_size)
+    calls = []
+    fast = FastQuantizedLinear(layer, lambda *a: calls.append("gemv") or quant_gemv_reference(*a),
+                               lambda *a: calls.append("many") or dequantize_linear(*a))
+    assert fast.weight is layer.weight and fast.weight_scale is layer.weight_scale and fast.bias is layer.bias
+    for lead, path in [((1,), "gemv"), ((1, 1), "gemv"), ((3,), "gemv"), ((2, 4), "gemv"), ((MAX_ROWS + 1,), "many"),
+                       ((3, 7), "many")]:
+        calls.clear()
+        x = torch.randn(*lead, 64)
+        out = fast(x)
+        assert calls == [path] and out.shape == (*lead, 96) and out.dtype == x.dtype
+        torch.testing.assert_close(out.double(), oracle(layer, x), atol=1e-5, rtol=1e-5)
+
+
+def test_scaled_mm_linear_is_the_product_of_the_fp8_rounded_activations():
+    """The FP8 tensor-core path quantizes each row of x to e4m3 with its own scale (amax / 448); its result is the
+    contract's product taken with those rounded activations (bf16 output), and within the e4m3 rounding of the
+    exact one. Runs wherever torch._scaled_mm does (CUDA with FP8, and torch's CPU kernel)."""
+    from minirt.fast.quant_layers import quantize_rows_fp8, scaled_mm_linear
+
+    layer = quantized_layer(128, 64, "fp8", None, bias=True)
+    layer.bias = torch.nn.Parameter(layer.bias.detach().to(torch.bfloat16), requires_grad=False)
+    x = (torch.randn(2, 24, 128) * torch.linspace(0.01, 10, 24)[:, None]).to(torch.bfloat16)   # rows of all sizes
+    try:
+        out = scaled_mm_linear(x, layer.weight, layer.weight_scale, None, layer.bias)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._scaled_mm does not run here: {e}")
+    x_q, x_scale = quantize_rows_fp8(x.reshape(-1, 128))
+    assert x_q.dtype == torch.float8_e4m3fn and x_scale.shape == (48, 1)
+    assert (x_q.float().abs().amax(dim=1) == 448).all()          # each row's largest element at e4m3's largest value
+    rounded = (x_q.double() * x_scale.double()).reshape(2, 24, 128)
+    assert out.shape == (2, 24, 64) and out.dtype == torch.bfloat16
+    want = oracle(layer, rounded)
+    size = want.abs().amax(dim=-1, keepdim=True)
+    assert ((out.double() - want).abs() <= 1e-2 * size).all()        # bf16 output: 8 significant bits
+    exact = oracle(layer, x)
+    assert ((out.double() - exact).abs() <= 0.1 * size).all()        # e4m3 activations: 2^-4 relative each
+
+
+def test_fast_quantized_picks_the_many_rows_product_by_what_the_device_has():
+    from minirt.fast.quant_layers import dequantize_linear, fast_quantized, scaled_mm_missing
+
+    layer = quantized_layer(64, 96, "fp8", None)
+    assert scaled_mm_missing(layer) == ["a CUDA device (got cpu)"]
+    assert fast_quantized(layer, gemv=print).many_rows is dequantize_linear
+    assert "FP8 weights (got int8)" in scaled_mm_missing(quantized_layer(64, 96, "int8", None))
+    assert "per-channel scales (got 32 x 32 blocks)" in scaled_mm_missing(quantized_layer(64, 96, "fp8", 32))
+    assert "in and out features multiples of 16 (got 64, 90)" in scaled_mm_missing(quantized_layer(64, 90, "fp8", None))
+
+
+@pytest.mark.parametrize("method,block_size,sizes,merges", [
+    ("int8", None, (48, 16, 16), True), ("fp8", 16, (48, 16, 16), True), ("fp8", 16, (48, 16, 8), True),
+    ("fp8", 16, (40, 16, 16), False)])
+def test_merge_quantized_concatenates_weights_and_scales(method, block_size, sizes, merges):
+    """The merged layer's output is the layers' outputs side by side (each its own contract); with block scales a
+    layer before the last whose rows are not whole blocks cannot merge (None)."""
+    from minirt.fast.quant_layers import merge_quantized
+
+    layers = [quantized_layer(40, n, method, block_size, seed=i) for i, n in enumerate(sizes)]
+    merged = merge_quantized(*layers)
+    if not merges:
+        assert merged is None
+        return
+    assert merged.out_features == sum(sizes) and merged.method == method and merged.block_size == block_size
+    x = torch.randn(5, 40)
+    want = torch.cat([oracle(m, x) for m in layers], dim=-1)
+    torch.testing.assert_close(oracle(merged, x), want, atol=1e-9, rtol=1e-9)
+    torch.testing.assert_close(merged(x).double(), want, atol=1e-4, rtol=1e-4)
+    assert merge_quantized(layers[0], quantized_layer(40, 16, "int8" if method == "fp8" else "fp8", block_size)) is None
+
+
+@pytest.mark.parametrize("method,block_size", [("int8", None), ("fp8", 16)])
+def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_path, method, block_size):
+    """A quantized tiny model with the plan's quantized modules (merged q/k/v and gate/up, the GEMV's torch contract
+    standing in for the kernel; a float LM head through the float GEMV's contract): every quantized projection is a
+    FastQuantizedLinear, one-token steps call the GEMV for each (counted), and the logits stay the reference
+    quantized model's (float32), for one token and for nine."""
+    import minirt
+    from minirt.fast import Plan
+    from minirt.fast.layers import GemvLinear, speed_up_model
+    from minirt.fast.ops import ModelKernels, gemv_reference
+    from minirt.fast.quant_layers import FastQuantizedLinear, quant_gemv_reference
+    from minirt.quant.model import quantize_model
+    from conftest import random_prompts
+    from test_model import _minirt_logits
+
+    model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
+    quantize_model(model, method, block_size)
+    ids1, ids9 = torch.tensor(random_prompts(3, [1])), torch.tensor(random_prompts(3, [9]))
+    want1, want9 = _minirt_logits(model, ids1), _minirt_logits(model, ids9)
+    calls = []
+    kernels = ModelKernels(gemv=gemv_reference, quant_gemv=lambda *a: calls.append(a[1].shape) or quant_gemv_reference(*a))
+    speed_up_model(model, Plan(merge_projections=True, gemv=True, quant_gemv=True, quantization=method,
+                               weight_block_size=block_size), kernels)
+    layer = model.model.layers[0]
+    for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        assert isinstance(proj, FastQuantizedLinear)
+    assert isinstance(model.lm_head, GemvLinear)
+    got1 = _minirt_logits(model, ids1)
+    assert len(calls) == 4 * model.config.num_hidden_layers
+    torch.testing.assert_close(got1, want1, atol=1e-4 * max(1.0, want1.abs().max().item()), rtol=1e-4)
+    calls.clear()
+    got9 = _minirt_logits(model, ids9)                  # 27 rows: past MAX_ROWS, the many-rows product
+    torch.testing.assert_close(got9, want9, atol=1e-4 * max(1.0, want9.abs().max().item()), rtol=1e-4)
+    assert not calls

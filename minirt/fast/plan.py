@@ -61,7 +61,8 @@ class Plan:
 
     attention_backend: "torch", "triton" or "flash_attn". cuda_graphs: decode steps replay CUDA graphs
     (`enforce_eager` off and possible). num_scheduler_steps: decode steps per schedule (1: single steps). The others: on or off.
-    Chapter 10's: quantization: None (float weights), "int8" or "fp8", as asked or as the checkpoint's
+    quant_gemv: quantized linears through `minirt.fast.quant_layers.FastQuantizedLinear` (few rows: the Triton
+    `quant_gemv`; more: FP8 tensor-core GEMMs or dequantize-then-GEMM). Chapter 10's: quantization: None (float weights), "int8" or "fp8", as asked or as the checkpoint's
     `quantization_config` says; weight_block_size: None (per output channel) or B (B x B blocks) (`minirt.quant`).
     """
 
@@ -85,6 +86,7 @@ class Plan:
     silu_and_mul_kernel: bool = False
     rotary_cache: bool = False
     argmax_in_gemv: bool = False
+    quant_gemv: bool = False
     quantization: str | None = None
     weight_block_size: int | None = None
 
@@ -162,8 +164,9 @@ def _one_process(r: _Resolution) -> list[str]:
 
 
 def _float_weights(r: _Resolution) -> list[str]:
-    """What a switch that rewrites the decoder's `nn.Linear` layers lacks under quantized weights (chapter 10's
-    `QuantizedLinear` holds int8/FP8 buffers, which these fast modules do not read)."""
+    """What a switch built on the float GEMV of the decoder's merged projections (its norm prologue, its L2
+    prefetch chain) lacks under quantized weights: chapter 10's `QuantizedLinear` layers run `quant_gemv`, which
+    has neither yet."""
     return [] if not r.on["quantization"] else [f"float weights (got quantization={r.quantization!r})"]
 
 
@@ -201,13 +204,22 @@ RULES: tuple[Rule, ...] = (
          field="enforce_eager", label="CUDA graphs", asked=lambda v: False if v else None),
     Rule("fused_ops", "torch.compile-fused ops", lambda r: list(r.hw.triton) if _cuda(r) else [], _cuda,
          "on CUDA"),                                      # Inductor writes Triton kernels for CUDA tensors
-    Rule("merge_projections", "merged projections", _float_weights, _cuda, "on CUDA"),
-    Rule("gemv", "the Triton matrix-vector kernel", lambda r: [*r.hw.triton, *_one_process(r), *_float_weights(r)],
-         _graphs, "with CUDA graphs"),
+    # Quantized q/k/v and gate/up merge too (`minirt.fast.quant_layers.merge_quantized`); the GEMV kernel runs the
+    # float linears that stay under quantization (the LM head), `quant_gemv` the quantized ones.
+    Rule("merge_projections", "merged projections", lambda r: [], _cuda, "on CUDA"),
+    Rule("gemv", "the Triton matrix-vector kernel", lambda r: [*r.hw.triton, *_one_process(r)], _graphs,
+         "with CUDA graphs"),
+    # Follows gemv off; on wherever quantized weights run on CUDA, graphs or not: their reference dequantizes the
+    # whole weight at every call (`minirt.fast.quant_layers.FastQuantizedLinear`).
+    Rule("quant_gemv", "the quantized GEMV kernel and FP8 GEMMs",
+         lambda r: [*r.hw.triton, *_one_process(r), *r.need("quantization")],
+         lambda r: _cuda(r), "on CUDA with quantized weights", field="gemv",
+         asked=lambda v: False if v is False else None),
     Rule("num_scheduler_steps", "multi-step decode", _one_process, lambda r: 8 if _graphs(r) else 1,
          "8 with CUDA graphs, else 1"),
-    Rule("norm_in_gemv", "the GEMV's norm prologue", lambda r: r.need("gemv", "merge_projections"),
-         lambda r: True, "with gemv and merged projections"),
+    Rule("norm_in_gemv", "the GEMV's norm prologue",
+         lambda r: [*r.need("gemv", "merge_projections"), *_float_weights(r)], lambda r: True,
+         "with gemv and merged projections"),
     Rule("rotary_kernel", "the Triton kernel", lambda r: [*r.hw.triton, *r.hw.head_dim], _graphs,
          "with CUDA graphs"),
     Rule("pdl", "programmatic dependent launch", lambda r: list(r.hw.pdl), _graphs,
@@ -219,7 +231,8 @@ RULES: tuple[Rule, ...] = (
          lambda r: r.need("attention_backend", "split_kv"), lambda r: False, "off (slower where PDL runs)"),
     Rule("prefetch_kv", "loading K/V before the PDL wait", lambda r: r.need("pdl", "split_kv", "attention_backend"),
          lambda r: True, "with PDL and split-KV Triton attention"),
-    Rule("l2_prefetch", "the bulk prefetch into L2", lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections")],
+    Rule("l2_prefetch", "the bulk prefetch into L2",
+         lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections"), *_float_weights(r)],
          lambda r: bool(r.on["pdl"]), "with the GEMV kernel, merged projections and PDL"),
     Rule("overlap_scheduling", "launching the next burst before taking this one's tokens", _bursts, lambda r: True,
          "with multi-step decode"),
