@@ -134,7 +134,83 @@ def test_quant_gemv_argument_errors():
         quant_gemv(x, q, scale, None, torch.randn(7))
     with pytest.raises(ValueError, match=r"^bias: must be a contiguous \[8\] in torch.float32"):
         quant_gemv(x, q, scale, None, torch.randn(8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^q: silu_and_mul needs gate and up rows, an even count, got 7"):
+        quant_gemv(x, *quantize(torch.randn(7, 16), "int8"), silu_and_mul=True)
+    with pytest.raises(ValueError, match=r"^pdl: programmatic dependent launch needs a CUDA device"):
+        quant_gemv(x, q, scale, pdl=True)
     assert quant_gemv(torch.randn(0, 16), q, scale).shape == (0, 8)      # no rows: no kernel
+
+
+def check_silu_and_mul(m, k, i, method, block_size, dtype, device, config=None, seed=0, pdl=False):
+    """quant_gemv with SiLU-and-multiply in its epilogue against the contract written out here: the float64
+    product with the dequantized merged gate/up weight, each half rounded to dtype, then silu(gate) * up."""
+    from minirt.kernels.quant_gemv_triton import QuantGemvConfig, quant_gemv
+
+    gen = torch.Generator().manual_seed(seed)
+    q, scale = quantize(torch.randn(2 * i, k, generator=gen) / k ** 0.5, method, block_size)
+    x = torch.randn(m, k, generator=gen).to(dtype)
+    b = torch.randn(2 * i, generator=gen).to(dtype)
+    y = (x.double() @ dequantize(q, scale, block_size).double().T + b.double()).to(dtype).double()
+    ref = torch.nn.functional.silu(y[:, :i]) * y[:, i:]
+    out = quant_gemv(x.to(device), q.to(device), scale.to(device), block_size, b.to(device), silu_and_mul=True,
+                     pdl=pdl, config=QuantGemvConfig(*config) if config else None)
+    assert out.shape == (m, i) and out.dtype == dtype
+    size = ref.abs().max().item()
+    err = (out.double().cpu() - ref).abs().max().item()
+    assert err <= 3 * TOL[dtype] * size, f"max |out - ref| = {err:.3g}, {err / size:.3g} of the output scale"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("m,k,i,method,block_size", [(1, 100, 7, "int8", None), (3, 64, 32, "fp8", 16),
+                                                     (1, 96, 48, "fp8", 16), (5, 40, 24, "int8", 8)], ids=str)
+def test_quant_gemv_silu_and_mul_interpreter(m, k, i, method, block_size, dtype):
+    pytest.importorskip("triton")
+    check_silu_and_mul(m, k, i, method, block_size, dtype, "cpu")
+    check_silu_and_mul(m, k, i, method, block_size, dtype, "cpu", config=(2, 2, 8, 1))
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("block_size", [None, 128], ids=["channel", "block128"])
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("m", [1, 4])
+def test_quant_gemv_silu_and_mul_cuda(m, method, block_size):
+    check_silu_and_mul(m, 1024, 3072, method, block_size, torch.bfloat16, "cuda")
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("block_size", [None, 128], ids=["channel", "block128"])
+def test_quant_gemv_pdl_chain_in_cuda_graph(block_size):
+    """A chain of PDL launches (each product's x is the one before's output, with a SiLU-and-multiply epilogue
+    between) captured and replayed: every result equals the same chain without PDL, so no kernel read its x
+    before it was written."""
+    from minirt.kernels import pdl_missing
+    from minirt.kernels.quant_gemv_triton import quant_gemv
+
+    if missing := pdl_missing(torch.device("cuda")):
+        pytest.skip(f"PDL needs {missing}")
+    gen = torch.Generator().manual_seed(0)
+    layers = [quantize((torch.randn(n, 1024, generator=gen) / 32).cuda(), "fp8", block_size)
+              for n in (1024, 2048, 1024, 1024)]
+    x = torch.randn(2, 1024, device="cuda", dtype=torch.bfloat16)
+
+    def chain(pdl):
+        h = x
+        for i, (q, s) in enumerate(layers):
+            h = quant_gemv(h, q, s, block_size, silu_and_mul=i == 1, pdl=pdl)
+        return h
+
+    chain(True)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        graph.replay()
+        ref = chain(False)
+        torch.cuda.synchronize()
+        assert torch.equal(out, ref)
 
 
 # ------------------------------------------------------------------ the fast module swapped in for QuantizedLinear
@@ -249,7 +325,8 @@ def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_
     ids1, ids9 = torch.tensor(random_prompts(3, [1])), torch.tensor(random_prompts(3, [9]))
     want1, want9 = _minirt_logits(model, ids1), _minirt_logits(model, ids9)
     calls = []
-    kernels = ModelKernels(gemv=gemv_reference, quant_gemv=lambda *a: calls.append(a[1].shape) or quant_gemv_reference(*a))
+    kernels = ModelKernels(gemv=gemv_reference, quant_gemv=lambda *a, **kw: calls.append((a[1].shape, kw))
+                           or quant_gemv_reference(*a, **kw))
     speed_up_model(model, Plan(merge_projections=True, gemv=True, quant_gemv=True, quantization=method,
                                weight_block_size=block_size), kernels)
     layer = model.model.layers[0]
@@ -258,6 +335,7 @@ def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_
     assert isinstance(model.lm_head, GemvLinear)
     got1 = _minirt_logits(model, ids1)
     assert len(calls) == 4 * model.config.num_hidden_layers
+    assert sum(kw == {"silu_and_mul": True} for _, kw in calls) == model.config.num_hidden_layers   # gate/up's
     torch.testing.assert_close(got1, want1, atol=1e-4 * max(1.0, want1.abs().max().item()), rtol=1e-4)
     calls.clear()
     got9 = _minirt_logits(model, ids9)                  # 27 rows: past MAX_ROWS, the many-rows product

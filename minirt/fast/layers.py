@@ -219,6 +219,8 @@ class FastMLP(nn.Module):
             return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
         if isinstance(proj, GemvLinear) and one_row(x):        # the product in the GEMV's epilogue
             return self.down_proj(proj.gemv(x, proj.weight, proj.bias, silu_and_mul=True))
+        if hasattr(proj, "silu_and_mul"):                      # FastQuantizedLinear: in quant_gemv's, few rows
+            return self.down_proj(proj.silu_and_mul(x, self.act))
         return self.down_proj(self.act(*proj(x).chunk(2, dim=-1)))
 
 

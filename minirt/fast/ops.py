@@ -123,4 +123,6 @@ def model_kernels(plan) -> ModelKernels:
     quant_gemv = None
     if plan.quant_gemv:
         from minirt.kernels.quant_gemv_triton import quant_gemv
+
+        quant_gemv = functools.partial(quant_gemv, pdl=True) if plan.pdl else quant_gemv
     return ModelKernels(gemv, rotate, rotate_and_store, l2_table, act, quant_gemv)

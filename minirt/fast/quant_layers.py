@@ -32,13 +32,18 @@ MAX_ROWS = 8            # rows up to which the GEMV runs (`minirt.kernels.quant_
 
 
 def quant_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size: int | None = None,
-                         bias: torch.Tensor | None = None) -> torch.Tensor:
+                         bias: torch.Tensor | None = None, *, silu_and_mul: bool = False) -> torch.Tensor:
     """The contract of `quant_gemv`, in plain torch: `x.float() @ dequantize(q, scale, block_size).T (+ bias)`,
-    cast to x.dtype. x `[..., K]`, q `[N, K]` -> `[..., N]`."""
+    cast to x.dtype. x `[..., K]`, q `[N, K]` -> `[..., N]`; with `silu_and_mul` (q a merged gate/up projection
+    `[2 * I, K]`), `silu(gate) * up` `[..., I]` of the two halves (each rounded to x.dtype first)."""
     y = x.float() @ dequantize(q, scale, block_size).T
     if bias is not None:
         y = y + bias.float()
-    return y.to(x.dtype)
+    y = y.to(x.dtype)
+    if not silu_and_mul:
+        return y
+    gate, up = y.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(x.dtype)
 
 
 def dequantize_linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size: int | None = None,
@@ -109,6 +114,13 @@ class FastQuantizedLinear(nn.Module):
         if x.shape[:-1].numel() <= MAX_ROWS:          # a shape, not a value: the same branch in every graph replay
             return self.gemv(x, self.weight, self.weight_scale, self.block_size, self.bias)
         return self.many_rows(x, self.weight, self.weight_scale, self.block_size, self.bias)
+
+    def silu_and_mul(self, x: torch.Tensor, act: Callable) -> torch.Tensor:
+        """For a merged gate/up projection: `act(gate, up)` of its two halves, `[..., out_features // 2]`; few rows
+        take SiLU-and-multiply in the GEMV's epilogue (`gemv(..., silu_and_mul=True)`), more go through `act`."""
+        if x.shape[:-1].numel() <= MAX_ROWS:
+            return self.gemv(x, self.weight, self.weight_scale, self.block_size, self.bias, silu_and_mul=True)
+        return act(*self(x).chunk(2, dim=-1))
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, method={self.method!r}, "

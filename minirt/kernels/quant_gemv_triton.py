@@ -16,6 +16,8 @@ chunk of every row of x, and accumulates in float32:
 One row (M = 1) keeps a float32 tile of products per lane and sums along K once at the end, as `linear_gemv` does;
 a few rows (M <= 8 or so) sum each chunk's `[BLOCK_M, BLOCK_N, BLOCK_K]` products along K as they go, so the weight
 tile is loaded once for all rows. No `tl.dot`: with this few rows there is nothing for the matrix units to reuse.
+As `linear_gemv`, it can take SwiGLU's SiLU-and-multiply into its epilogue (a merged gate/up projection) and launch
+with programmatic dependent launch.
 This is the weight-only W8A16 GEMV of TensorRT-LLM's weight-only batched GEMV plugins and of vLLM's FP8 Marlin
 kernel for decode, in the plain form of `linear_gemv`.
 """
@@ -47,14 +49,40 @@ class QuantGemvConfig(NamedTuple):
 @triton.jit
 def _quant_gemv_kernel(X, Q, Scale, Bias, Out, M, N, K, stride_xm, stride_om, scale_cols,
                        HAS_BIAS: tl.constexpr, BLOCKWISE: tl.constexpr, QBLOCK: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr):
-    """A program's BLOCK_N output rows for BLOCK_M rows of x. Each step of K covers NB * SUB columns, held as NB
-    stretches of SUB columns that share a scale (block scales: SUB divides QBLOCK, so a stretch lies in one block
-    column; per channel: NB = 1, the scale is applied after the loop)."""
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr, SUB: tl.constexpr,
+                       SILU_AND_MUL: tl.constexpr, PDL: tl.constexpr):
+    """A program's BLOCK_N output columns for BLOCK_M rows of x (with SILU_AND_MUL, columns of silu(gate) * up, the
+    gate rows of q first, then its up rows, N apart)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()             # the next kernel may start (and load its weights)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     m_ok = m < M
+    y = _quant_sums(X, Q, Scale, rows, row_ok, m, m_ok, M, K, stride_xm, scale_cols, BLOCKWISE, QBLOCK, BLOCK_M,
+                    BLOCK_N, NB, SUB, PDL)
+    if HAS_BIAS:
+        y += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+    if SILU_AND_MUL:
+        up = _quant_sums(X, Q, Scale, rows + N, row_ok, m, m_ok, M, K, stride_xm, scale_cols, BLOCKWISE, QBLOCK,
+                         BLOCK_M, BLOCK_N, NB, SUB, PDL)
+        if HAS_BIAS:
+            up += tl.load(Bias + N + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
+        # As linear_gemv's epilogue: gate and up rounded to the output dtype, then silu(gate) * up in float32.
+        gate = y.to(Out.dtype.element_ty).to(tl.float32)
+        up = up.to(Out.dtype.element_ty).to(tl.float32)
+        y = gate * tl.sigmoid(gate) * up
+    tl.store(Out + m[:, None] * stride_om + rows[None, :], y.to(Out.dtype.element_ty),
+             mask=m_ok[:, None] & row_ok[None, :])
+
+
+@triton.jit
+def _quant_sums(X, Q, Scale, rows, row_ok, m, m_ok, M, K, stride_xm, scale_cols, BLOCKWISE: tl.constexpr,
+                QBLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NB: tl.constexpr,
+                SUB: tl.constexpr, PDL: tl.constexpr):
+    """The float32 products `[BLOCK_M, BLOCK_N]` of x's rows m with q's rows `rows`, scales applied. Each step of K
+    covers NB * SUB columns, held as NB stretches of SUB columns that share a scale (block scales: SUB divides
+    QBLOCK, so a stretch lies in one block column; per channel: NB = 1, the scale is applied after the loop)."""
     q_rows = Q + rows.to(tl.int64)[:, None, None] * K       # int64: N * K can pass 2**31
     stretch = tl.arange(0, NB)
     cols = stretch[:, None] * SUB + tl.arange(0, SUB)[None, :]   # [NB, SUB]: the step's columns, contiguous
@@ -64,11 +92,14 @@ def _quant_gemv_kernel(X, Q, Scale, Bias, Out, M, N, K, stride_xm, stride_om, sc
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, K, NB * SUB):
         k_ok = k + cols < K
-        # The weights first: all loads of the step are issued before the arithmetic waits on one of them.
+        # The weights first: all loads of the step are issued before the arithmetic waits on one of them, and
+        # with PDL they stream in while the kernel before finishes (no kernel writes them).
         w = tl.load(q_rows + (k + cols)[None, :, :], mask=row_ok[:, None, None] & k_ok[None, :, :], other=0.0)
         if BLOCKWISE:
             s = tl.load(scale_rows[:, None] + (k + stretch * SUB)[None, :] // QBLOCK,
                         mask=row_ok[:, None] & (k + stretch * SUB < K)[None, :], other=0.0)
+        if PDL:
+            tl.extra.cuda.gdc_wait()                      # x is the kernel before's output
         if BLOCK_M == 1:
             x = tl.load(X + tl.program_id(1) * stride_xm + k + cols, mask=k_ok, other=0.0)
         else:
@@ -82,14 +113,13 @@ def _quant_gemv_kernel(X, Q, Scale, Bias, Out, M, N, K, stride_xm, stride_om, sc
         else:
             prod = x.to(tl.float32)[:, None, :, :] * w[None, :, :, :]      # [BLOCK_M, BLOCK_N, NB, SUB]
             acc += tl.sum(tl.sum(prod, axis=3), axis=2)
+    if PDL:
+        tl.extra.cuda.gdc_wait()      # every program waits (a no-op after the loop's): completion stays in order
     if BLOCK_M == 1:
         acc = tl.sum(tl.sum(acc_lanes, axis=2), axis=1)[None, :]
     if not BLOCKWISE:   # per channel: the scale factors out of the sum
         acc = acc * tl.load(Scale + rows, mask=row_ok, other=0.0)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)[None, :]
-    tl.store(Out + m[:, None] * stride_om + rows[None, :], acc.to(Out.dtype.element_ty),
-             mask=m_ok[:, None] & row_ok[None, :])
+    return acc
 
 
 def choose_config(m: int, n: int, k: int, block_size: int | None, sm_count: int) -> QuantGemvConfig:
@@ -115,14 +145,20 @@ def _stretch(block_k: int, block_size: int | None) -> int:
 
 
 def quant_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size: int | None = None,
-               bias: torch.Tensor | None = None, *, config: QuantGemvConfig | None = None) -> torch.Tensor:
+               bias: torch.Tensor | None = None, *, silu_and_mul: bool = False, pdl: bool = False,
+               config: QuantGemvConfig | None = None) -> torch.Tensor:
     """`x.float() @ dequantize(q, scale, block_size).T (+ bias)`, cast to x.dtype, for few rows of x.
 
     x `[..., K]` (float32, bfloat16 or float16), q `[N, K]` int8 or float8_e4m3fn, contiguous; scale float32,
     contiguous, `[N]` (block_size None: per output channel) or `[ceil(N/B), ceil(K/B)]` (block_size B: per B x B
     block, edge blocks partial), as `minirt.quant.formats.quantize` returns them; bias `[N]` in x's dtype or None.
     Returns `[..., N]` in x.dtype, accumulated in float32. Meant for the few rows of a decode step (up to MAX_ROWS;
-    it takes any number, loading the weights once per MAX_ROWS rows). config: block sizes (None: `choose_config`).
+    it takes any number, loading the weights once per MAX_ROWS rows).
+    silu_and_mul: q is a merged gate/up projection `[2 * I, K]` (gate rows, then up rows; bias `[2 * I]`) and the
+    result is `silu(gate) * up` `[..., I]`, in the epilogue, gate and up rounded to x.dtype first (as
+    `linear_gemv(silu_and_mul=True)`). pdl: launch with programmatic dependent launch (Hopper and later): the
+    weight loads start before the wait for the kernel before (`linear_gemv`'s pdl). config: block sizes (None:
+    `choose_config`).
     No host syncs: safe inside a CUDA graph capture. Raises ValueError naming the argument for shapes, strides,
     dtypes or devices that do not fit."""
     if x.dim() == 0:
@@ -145,6 +181,15 @@ def quant_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size
     for name, t in (("q", q), ("scale", scale), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: must be on {x.device} like x, got {t.device}")
+    if silu_and_mul:
+        if n % 2:
+            raise ValueError(f"q: silu_and_mul needs gate and up rows, an even count, got {n}")
+        n //= 2
+    if pdl:
+        from minirt.kernels import pdl_missing
+
+        if missing := pdl_missing(x.device):
+            raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
@@ -160,5 +205,6 @@ def quant_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size
         x2, q, scale, bias if bias is not None else out, out, m, n, k, x2.stride(0), out.stride(0),
         1 if block_size is None else scale.shape[1],
         HAS_BIAS=bias is not None, BLOCKWISE=block_size is not None, QBLOCK=block_size or 1,
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NB=cfg.block_k // sub, SUB=sub, num_warps=cfg.num_warps)
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, NB=cfg.block_k // sub, SUB=sub, SILU_AND_MUL=silu_and_mul,
+        PDL=pdl, num_warps=cfg.num_warps, **({"launch_pdl": True} if pdl else {}))
     return out.reshape(*lead, n)
