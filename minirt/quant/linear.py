@@ -28,7 +28,9 @@ class QuantizedLinear(nn.Module):
     `weight_scale [N]`) or B (one per B x B block, `weight_scale [ceil(N/B), ceil(K/B)]`).
     Buffers: `weight [N, K]` (int8 or float8_e4m3fn), `weight_scale` float32 (it multiplies: W ~ weight *
     weight_scale). Parameter `bias [N]` in the model's dtype, or None. The buffers are built empty (zeros, scale 1);
-    `from_linear` fills them from a float `nn.Linear`, a checkpoint loader copies them in.
+    `from_linear` fills them from a float `nn.Linear`, a checkpoint loader copies them in. Do not cast the layer
+    (`module.to(torch.bfloat16)` would cast the FP8 buffers and the scales too): the activations' dtype picks the
+    dtype of the product.
     """
 
     def __init__(self, in_features: int, out_features: int, method: str, block_size: int | None = None,

@@ -172,14 +172,14 @@ def load_fp8_checkpoint(model: str | os.PathLike, device: torch.device | str | N
                          "checkpoint): load it with minirt.load_model, or quantize it with quantization='int8'|'fp8'")
     method, block_size = resolved
     index = _tensor_files(path)
-    with torch.device("meta"):
+    with torch.device("meta"):                # nothing allocated until `to_empty` on the device
         net = DecoderModel(config)
-    for name, linear in list(net.named_modules()):
-        if is_decoder_linear(name) and f"{name}.weight_scale_inv" in index:
-            parent, attr = name.rsplit(".", 1)
-            setattr(net.get_submodule(parent), attr,
-                    QuantizedLinear(linear.in_features, linear.out_features, method, block_size,
-                                    bias=linear.bias is not None))
+        for name, linear in list(net.named_modules()):
+            if is_decoder_linear(name) and f"{name}.weight_scale_inv" in index:
+                parent, attr = name.rsplit(".", 1)
+                setattr(net.get_submodule(parent), attr,
+                        QuantizedLinear(linear.in_features, linear.out_features, method, block_size,
+                                        bias=linear.bias is not None))
     net = net.to_empty(device=device)
     for module in net.modules():           # float parameters in dtype; the quantized buffers keep theirs
         for pname, p in module.named_parameters(recurse=False):
