@@ -427,18 +427,21 @@ def test_a_scale_of_the_wrong_shape_or_a_float_weight_with_a_scale_is_refused(ti
         load_fp8_checkpoint(dst)
 
 
-@pytest.mark.parametrize("switch", ["merge_projections", "gemv"])
-def test_the_linear_rewriting_switches_are_refused_under_quantization_naming_both(switch):
-    with pytest.raises(ValueError, match=rf"^{switch}: .* needs .*float weights \(got quantization='int8'\)"):
+@pytest.mark.parametrize("switch", ["norm_in_gemv", "l2_prefetch"])
+def test_the_float_gemv_chain_switches_are_refused_under_quantization(switch):
+    """The norm prologue and the L2 prefetch chain are built on the float GEMV of the merged projections, which
+    quantized layers do not run (they run quant_gemv)."""
+    with pytest.raises(ValueError, match=rf"^{switch}: .* needs float weights \(got quantization='int8'\)$"):
         resolve_plan(EngineConfig(quantization="int8", **{switch: True}), torch.device("cuda"), hardware=HOPPER)
 
 
-def test_under_quantization_the_linear_rewriting_switches_resolve_off_with_the_reason():
+def test_under_quantization_the_plan_runs_the_quantized_kernels_with_merged_projections():
     plan = resolve_plan(EngineConfig(quantization="fp8", weight_block_size=128), torch.device("cuda"),
                         hardware=HOPPER)
     assert (plan.quantization, plan.weight_block_size) == ("fp8", 128)
-    assert not (plan.merge_projections or plan.gemv or plan.norm_in_gemv or plan.l2_prefetch or plan.argmax_in_gemv)
+    assert plan.quant_gemv and plan.merge_projections and plan.gemv and plan.argmax_in_gemv   # the float LM head
+    assert not (plan.norm_in_gemv or plan.l2_prefetch)
     assert plan.cuda_graphs and plan.attention_backend == "triton" and plan.num_scheduler_steps == 8
-    with pytest.raises(ValueError, match=r"^norm_in_gemv: .* needs gemv \(off: needs float weights \(got "
-                                         r"quantization='fp8'\)\)"):
-        resolve_plan(EngineConfig(quantization="fp8", norm_in_gemv=True), torch.device("cuda"), hardware=HOPPER)
+    assert not resolve_plan(EngineConfig(quantization="fp8", gemv=False), torch.device("cuda"),
+                            hardware=HOPPER).quant_gemv
+    assert not resolve_plan(EngineConfig(), torch.device("cuda"), hardware=HOPPER).quant_gemv     # float weights
