@@ -18,6 +18,10 @@ and TPOT p50/p99 in seconds, and on the batch-1 latency workload the fraction of
 device-to-device `copy_`): bytes moved through memory per second, as a decode step's weight reads are.
 KV-cache reads are not counted, which makes the fraction conservative.
 
+`--quantization none,int8,fp8` runs minirt once per format on the same checkpoint and prompts (chapter 10): each
+quantized system's roofline counts the bytes its step reads (one byte per quantized weight plus its float32 scales;
+the float embeddings, LM head and norms as they are), and its throughput is compared with unquantized minirt's.
+
 The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)` runs them standalone.
 """
 

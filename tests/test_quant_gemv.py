@@ -341,3 +341,28 @@ def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_
     got9 = _minirt_logits(model, ids9)                  # 27 rows: past MAX_ROWS, the many-rows product
     torch.testing.assert_close(got9, want9, atol=1e-4 * max(1.0, want9.abs().max().item()), rtol=1e-4)
     assert not calls
+
+
+@pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("method,block_size", [("int8", None), ("fp8", 16)])
+def test_one_token_forward_through_quant_gemv_keeps_the_quantized_logits(tiny_model_path, method, block_size):
+    """The Triton kernel itself in the model (merged q/k/v, gate/up with SiLU-and-multiply in its epilogue, o and
+    down; the float LM head through F.linear): a one-token forward of three sequences gives the reference quantized
+    model's logits (float32)."""
+    import minirt
+    from conftest import TRITON_DEVICE, random_prompts
+    from minirt.fast import Plan
+    from minirt.fast.layers import speed_up_model
+    from minirt.fast.ops import ModelKernels
+    from minirt.kernels.quant_gemv_triton import quant_gemv
+    from minirt.quant.model import quantize_model
+    from test_model import _minirt_logits
+
+    model, _ = minirt.load_model(tiny_model_path, device=TRITON_DEVICE, dtype=torch.float32)
+    quantize_model(model, method, block_size)
+    ids = torch.tensor(random_prompts(3, [1]))
+    want = _minirt_logits(model, ids)
+    speed_up_model(model, Plan(merge_projections=True, quant_gemv=True, quantization=method,
+                               weight_block_size=block_size), ModelKernels(quant_gemv=quant_gemv))
+    got = _minirt_logits(model, ids)
+    torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4)
