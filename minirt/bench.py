@@ -18,6 +18,10 @@ and TPOT p50/p99 in seconds, and on the batch-1 latency workload the fraction of
 device-to-device `copy_`): bytes moved through memory per second, as a decode step's weight reads are.
 KV-cache reads are not counted, which makes the fraction conservative.
 
+`--quantization none,int8,fp8` runs minirt once per format on the same checkpoint and prompts (chapter 10): each
+quantized system's roofline counts the bytes its step reads (one byte per quantized weight plus its float32 scales;
+the float embeddings, LM head and norms as they are), and its throughput is compared with unquantized minirt's.
+
 The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)` runs them standalone.
 """
 
@@ -41,7 +45,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from minirt.attention import CUDA_SDPA_BACKENDS
-from minirt.config import ATTENTION_BACKENDS, EngineConfig
+from minirt.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, EngineConfig
 from minirt.fast import resolve_plan
 from minirt.fast.flash_attn import FlashAttnPagedAttention
 
@@ -62,6 +66,12 @@ BASELINES = {"cuda": ("hf_generate", "hf_generate_batch"), "cpu": ("hf_generate"
 # minirt's "roofline_fraction" on the latency workload.
 TARGETS = {"cuda": [("throughput", "tokens_per_s_vs_hf_generate_batch", 25.0), ("latency", "roofline_fraction", 0.6)],
            "cpu": [("throughput", "tokens_per_s_vs_hf_generate", 2.0)]}
+# (workload, figure, method or None for every method, target, True: a bound from above) for quantized systems:
+# chapter 10's goals on the H200, FP8 batch-1 TPOT at most 0.40 ms (1.57x faster than the bf16 step measured
+# before quantization), 45 % of the quantized step's own roofline, throughput no lower than bf16's.
+QUANT_TARGETS = {"cuda": [("latency", "tpot_p50_s", "fp8", 0.40e-3, True),
+                          ("latency", "roofline_fraction", None, 0.45, False),
+                          ("throughput", "tokens_per_s_vs_minirt", None, 1.0, False)]}
 GUARD_PROMPTS, GUARD_TOKENS, WARMUP_REQUESTS, WARMUP_TOKENS = 4, 32, 8, 8
 
 
@@ -324,15 +334,42 @@ def compute_ratios(results: dict, device_type: str) -> list[dict]:
     targets = {(w, name): t for w, name, t in TARGETS[device_type]}
     ratios = []
     for workload, systems in results.items():
-        mine = systems["minirt"]
-        values = {f"tokens_per_s_vs_{b}": None if "error" in fig else mine["output_tokens_per_s"] /
-                  fig["output_tokens_per_s"] for b, fig in systems.items() if b != "minirt"}
-        if workload == "latency":
-            values["roofline_fraction"] = mine.get("roofline_fraction")
+        values = {}
+        if "minirt" in systems:
+            mine = systems["minirt"]
+            values = {f"tokens_per_s_vs_{b}": None if "error" in fig else mine["output_tokens_per_s"] /
+                      fig["output_tokens_per_s"] for b, fig in systems.items() if not b.startswith("minirt")}
+            if workload == "latency":
+                values["roofline_fraction"] = mine.get("roofline_fraction")
         for name, value in values.items():
             target = targets.get((workload, name))
             status = None if target is None else "n/a" if value is None else "PASS" if value >= target else "MISS"
             ratios.append({"workload": workload, "name": name, "value": value, "target": target, "status": status})
+        ratios += quantized_ratios(workload, systems, device_type)
+    return ratios
+
+
+def quantized_ratios(workload: str, systems: dict, device_type: str) -> list[dict]:
+    """The quantized systems' figures against their goals (`QUANT_TARGETS`), named "<system>:<figure>": on the
+    latency workload the roofline fraction at the quantized bytes and TPOT p50 (a bound from above: PASS at or
+    below it), on both the output tokens/s over unquantized minirt's."""
+    targets = {(w, name, method): (t, below) for w, name, method, t, below in QUANT_TARGETS.get(device_type, [])}
+    ratios = []
+    for system, fig in systems.items():
+        if not system.startswith("minirt_"):
+            continue
+        method = system.removeprefix("minirt_")
+        values = {}
+        if "minirt" in systems:
+            values["tokens_per_s_vs_minirt"] = fig["output_tokens_per_s"] / systems["minirt"]["output_tokens_per_s"]
+        if workload == "latency":
+            values.update(roofline_fraction=fig.get("roofline_fraction"), tpot_p50_s=fig.get("tpot_p50_s"))
+        for name, value in values.items():
+            target, below = targets.get((workload, name, method), targets.get((workload, name, None), (None, False)))
+            status = (None if target is None else "n/a" if value is None else
+                      "PASS" if (value <= target if below else value >= target) else "MISS")
+            ratios.append({"workload": workload, "name": f"{system}:{name}", "value": value, "target": target,
+                           "status": status, **({"bound": "at most"} if below and target is not None else {})})
     return ratios
 
 
@@ -350,11 +387,16 @@ def kernel_name(runner) -> str:
 
 def bench(device: torch.device, workloads: list[str], quick: bool = False, model: str | None = None,
           baselines: tuple[str, ...] = ("hf_generate",), seed: int = 0, engine_kwargs: dict | None = None,
-          time_collectives: bool = False) -> dict:
+          time_collectives: bool = False, quantizations: tuple[str | None, ...] = (None,),
+          weight_block_size: int | None = None) -> dict:
     """Run minirt and the baselines on each workload; returns the report that `run` writes as JSON.
     `engine_kwargs` go to `minirt.LLM` (for example `enforce_eager=True`, `tensor_parallel_size=2`). With tensor
     parallelism, minirt's figures add the seconds per step in the model's collectives (`collective_s_per_step`):
-    always on the CPU, on CUDA with `time_collectives` (a device sync around each collective, which slows it)."""
+    always on the CPU, on CUDA with `time_collectives` (a device sync around each collective, which slows it).
+    `quantizations`: minirt runs once per entry on the same checkpoint and prompts, None as loaded (system
+    "minirt"), "int8" or "fp8" quantized at load with `weight_block_size` (system "minirt_int8", ...); each
+    system's roofline counts the bytes its decode step reads (`step_weight_bytes`), and `report["quantization"]`
+    holds each one's bytes, plan and greedy agreement with the first system's tokens."""
     from transformers import AutoModelForCausalLM
 
     import minirt
@@ -377,38 +419,54 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             model = str(model or minirt.DEFAULT_MODEL)
             report["model"] = {"name": os.path.basename(os.path.normpath(model)), "path": model}
 
-        llm = minirt.LLM(model, device=device, dtype=dtype, **(engine_kwargs or {}))
-        engine = llm.engine
-        if time_collectives and getattr(engine.model_runner, "comm", None) is not None:
-            engine.model_runner.comm.timed = True
-        report["settings"]["engine_resolved"] = {
-            **engine.plan.as_dict(), "attention_kernel": kernel_name(engine.model_runner),
-            "num_kv_blocks": engine.config.num_kv_blocks, "max_num_seqs": engine.config.max_num_seqs,
-            "max_model_len": engine.config.max_model_len}
-        vocab = llm.engine.model.config.vocab_size
-        report["model"]["weight_bytes"] = weight_bytes = sum(p.numel() * p.element_size()
-                                                             for p in llm.engine.model.parameters())
-        prompts = {w: make_prompts(s["num_requests"], s["prompt_len"], vocab, seed + i)
-                   for i, (w, s) in enumerate(settings.items())}
-        warmup = {w: (make_prompts(min(s["num_requests"], WARMUP_REQUESTS), s["prompt_len"], vocab, seed + 100 + i),
-                      min(WARMUP_TOKENS, s["max_new_tokens"])) for i, (w, s) in enumerate(settings.items())}
-        first = next(iter(settings.values()))
-        guard = (make_prompts(GUARD_PROMPTS, first["prompt_len"], vocab, seed + 200),
-                 min(GUARD_TOKENS, first["max_new_tokens"]))
-        _, guard_tokens = run_minirt(llm, *guard, device)
-        for w, s in settings.items():
-            run_minirt(llm, *warmup[w], device)
-            results[w]["minirt"], _ = run_minirt(llm, prompts[w], s["max_new_tokens"], device)
-        close = getattr(engine.model_runner, "close", None)       # tensor parallelism: join the ranks
-        if close is not None:
-            close()
-        del llm, engine
-        free_memory()
+        systems, guard_tokens = {}, None
+        for quant in sorted(quantizations, key=lambda q: q is not None):    # unquantized first: the headline
+            name = system_name(quant)
+            kwargs = {**(engine_kwargs or {}), **({} if quant is None else
+                                                  {"quantization": quant, "weight_block_size": weight_block_size})}
+            llm = minirt.LLM(model, device=device, dtype=dtype, **kwargs)
+            engine = llm.engine
+            if time_collectives and getattr(engine.model_runner, "comm", None) is not None:
+                engine.model_runner.comm.timed = True
+            resolved = {**engine.plan.as_dict(), "attention_kernel": kernel_name(engine.model_runner),
+                        "num_kv_blocks": engine.config.num_kv_blocks, "max_num_seqs": engine.config.max_num_seqs,
+                        "max_model_len": engine.config.max_model_len}
+            systems[name] = {"quantization": quant, "weight_block_size": None if quant is None else weight_block_size,
+                             "weight_bytes": step_weight_bytes(engine.model), "engine_resolved": resolved}
+            if guard_tokens is None:           # the first system: the report's headline fields, the prompts
+                report["settings"]["engine_resolved"] = resolved
+                report["model"]["weight_bytes"] = systems[name]["weight_bytes"]
+                vocab = engine.model.config.vocab_size
+                prompts = {w: make_prompts(s["num_requests"], s["prompt_len"], vocab, seed + i)
+                           for i, (w, s) in enumerate(settings.items())}
+                warmup = {w: (make_prompts(min(s["num_requests"], WARMUP_REQUESTS), s["prompt_len"], vocab,
+                                           seed + 100 + i), min(WARMUP_TOKENS, s["max_new_tokens"]))
+                          for i, (w, s) in enumerate(settings.items())}
+                first = next(iter(settings.values()))
+                guard = (make_prompts(GUARD_PROMPTS, first["prompt_len"], vocab, seed + 200),
+                         min(GUARD_TOKENS, first["max_new_tokens"]))
+            _, tokens = run_minirt(llm, *guard, device)
+            if guard_tokens is None:
+                guard_tokens, first_system = tokens, name
+            else:
+                systems[name]["greedy_vs_" + first_system] = agreement(tokens, guard_tokens)
+            for w, s in settings.items():
+                run_minirt(llm, *warmup[w], device)
+                results[w][name], _ = run_minirt(llm, prompts[w], s["max_new_tokens"], device)
+            close = getattr(engine.model_runner, "close", None)       # tensor parallelism: join the ranks
+            if close is not None:
+                close()
+            del llm, engine
+            free_memory()
+        if quantizations != (None,):
+            report["quantization"] = systems
+        if not baselines:
+            return finish_report(report, results, systems, device.type)
 
         hf = AutoModelForCausalLM.from_pretrained(model, dtype=dtype).to(device).eval()
         hf.generation_config.eos_token_id = None       # else generate() falls back to the checkpoint's EOS
         _, hf_guard_tokens = hf_generate(hf, *guard, device, max_batch=1)
-        report["correctness"] = agreement(guard_tokens, hf_guard_tokens)
+        report["correctness"] = {**agreement(guard_tokens, hf_guard_tokens), "system": first_system}
         runners = {"hf_generate": run_hf_generate, "hf_generate_batch": run_hf_generate_batch}
         for w, s in settings.items():
             for b in baselines:
@@ -420,12 +478,37 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
                 free_memory()
         del hf
         free_memory()
-    for fig in results.get("latency", {}).values():
+    return finish_report(report, results, systems, device.type)
+
+
+def finish_report(report: dict, results: dict, systems: dict, device_type: str) -> dict:
+    """The derived figures: each latency figure's roofline fraction, at its system's step bytes (the baselines at
+    the float model's, the first system's when it is unquantized), and the ratios (`compute_ratios`)."""
+    float_bytes = report["model"]["weight_bytes"]
+    for name, fig in results.get("latency", {}).items():
         if fig.get("tpot_p50_s"):
-            fig["roofline_fraction"] = weight_bytes / fig["tpot_p50_s"] / report["bandwidth"]["bytes_per_s"]
+            nbytes = systems[name]["weight_bytes"] if name in systems else float_bytes
+            fig["roofline_fraction"] = nbytes / fig["tpot_p50_s"] / report["bandwidth"]["bytes_per_s"]
     report["results"] = results
-    report["ratios"] = compute_ratios(results, device.type)
+    report["ratios"] = compute_ratios(results, device_type)
     return report
+
+
+def system_name(quantization: str | None) -> str:
+    """minirt's system name in the report for a quantization: "minirt" unquantized, else "minirt_<method>"."""
+    return "minirt" if quantization is None else f"minirt_{quantization}"
+
+
+def step_weight_bytes(model) -> int:
+    """Bytes of weights a batch-1 decode step reads: every parameter once (tied embeddings and LM head count once:
+    the LM head reads them all) and every quantized weight and its scales (`weight`, `weight_scale` buffers of the
+    quantized linears), each tensor counted once. The KV cache, and tables such as the rotary cache, are left out."""
+    tensors = {t.data_ptr(): t for t in model.parameters()}
+    for module in model.modules():
+        if isinstance(getattr(module, "weight_scale", None), torch.Tensor):
+            for t in (module.weight, module.weight_scale):
+                tensors[t.data_ptr()] = t
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def format_report(report: dict) -> str:
@@ -441,7 +524,7 @@ def format_report(report: dict) -> str:
     ratios = format_table(["workload", "ratio", "value", "target", "status"],
                           [[r["workload"], r["name"], r["value"], r["target"], r["status"] or ""]
                            for r in report["ratios"]])
-    d, m, c = report["device"], report["model"], report["correctness"]
+    d, m, c = report["device"], report["model"], report.get("correctness")
     collectives = [f"{w}: {fig['collective_s_per_step'] * 1e3:.3f} ms of {fig['step_s'] * 1e3:.3f} ms per step in "
                    "collectives" for w, systems in report["results"].items()
                    for fig in [systems.get("minirt", {})] if "collective_s_per_step" in fig]
@@ -451,11 +534,18 @@ def format_report(report: dict) -> str:
                    for w, systems in report["results"].items()
                    for fig in [systems.get("minirt", {})] if fig.get("tokens_per_target_forward")]
     table += "".join(f"\nminirt speculative {line}" for line in speculation)
-    return (f"{d['name']} ({d['type']}, {d['num_threads']} threads, load {d['load_average_1min']:.1f}); {m['name']}, "
-            f"{report['settings']['dtype']}, {m['weight_bytes'] / 1e9:.3f} GB of weights\n"
-            f"copy bandwidth (read + write): {report['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s\n"
-            f"greedy tokens equal to transformers' on {c['num_prompts']} prompts x {c['max_new_tokens']} tokens: "
-            f"{c['exact_match']:.0%} of prompts, common prefix {c['prefix_agreement']:.0%}\n\n{table}\n\n{ratios}")
+    lines = [f"{d['name']} ({d['type']}, {d['num_threads']} threads, load {d['load_average_1min']:.1f}); {m['name']}, "
+             f"{report['settings']['dtype']}, {m['weight_bytes'] / 1e9:.3f} GB of weights",
+             f"copy bandwidth (read + write): {report['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s"]
+    if c is not None:
+        lines.append(f"greedy tokens equal to transformers' on {c['num_prompts']} prompts x {c['max_new_tokens']} "
+                     f"tokens: {c['exact_match']:.0%} of prompts, common prefix {c['prefix_agreement']:.0%}")
+    for name, q in report.get("quantization", {}).items():
+        agree = next((f"; greedy tokens equal to {k.removeprefix('greedy_vs_')}'s: {v['exact_match']:.0%} of "
+                      f"prompts, common prefix {v['prefix_agreement']:.0%}" for k, v in q.items()
+                      if k.startswith("greedy_vs_")), "")
+        lines.append(f"{name}: {q['weight_bytes'] / 1e9:.3f} GB read per batch-1 step{agree}")
+    return "\n".join(lines) + f"\n\n{table}\n\n{ratios}"
 
 
 def write_report(report: dict, out_dir: str, name: str) -> str:
@@ -486,7 +576,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="HF-format checkpoint (default: random Qwen3-0.6B on cuda, the embedded model on cpu)")
     p.add_argument("--baselines", default=None,
-                   help="comma-separated hf_generate,hf_generate_batch (default: both on cuda, hf_generate on cpu)")
+                   help="comma-separated hf_generate,hf_generate_batch, or none (default: both on cuda, hf_generate "
+                        "on cpu)")
+    p.add_argument("--quantization", default=None,
+                   help="comma-separated none,int8,fp8: minirt once per entry, same checkpoint and prompts, quantized "
+                        "at load (EngineConfig.quantization; default: the model as loaded)")
+    p.add_argument("--weight-block-size", type=_positive_int, default=None,
+                   help="the quantized entries' B x B scale blocks (EngineConfig.weight_block_size; default: one "
+                        "scale per output channel)")
+    p.add_argument("--name", default=None, help="the JSON report's file name, without .json (default: from the "
+                                                 "device, the settings and the date)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch intra-op threads (default: torch's choice)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--attention-backend", choices=list(ATTENTION_BACKENDS), default="auto",
@@ -557,6 +656,19 @@ def engine_kwargs_of(args) -> dict:
     return kwargs
 
 
+def quantizations_of(text: str | None) -> tuple[str | None, ...]:
+    """`--quantization none,int8,fp8` -> (None, "int8", "fp8"), in the order given (None: (None,), the model as
+    loaded). Raises ValueError naming quantization for an unknown or repeated entry."""
+    if not text:
+        return (None,)
+    names = [part.strip() for part in text.split(",")]
+    allowed = ["none", *(m for m in QUANTIZATION_METHODS if m is not None)]
+    bad = [n for n in names if n not in allowed]
+    if bad or len(set(names)) != len(names):
+        raise ValueError(f"quantization: a comma-separated list of distinct {allowed}, got {text!r}")
+    return tuple(None if n == "none" else n for n in names)
+
+
 def model_config_of(model: str | None, device: torch.device):
     """The HF config of the checkpoint the bench will run: `model`'s, or the default of `device`'s type."""
     from transformers import Qwen3Config
@@ -573,7 +685,8 @@ def run(args) -> int:
     """Run `bench`: print the tables, write the JSON report. Exit status 1 if minirt's greedy tokens differ
     from transformers' in float32 (the correctness guard), 2 on bad arguments."""
     device = torch.device(args.device)
-    baselines = tuple(args.baselines.split(",")) if args.baselines else BASELINES[device.type]
+    baselines = (() if args.baselines == "none" else tuple(args.baselines.split(",")) if args.baselines
+                 else BASELINES[device.type])
     unknown = set(baselines) - {"hf_generate", "hf_generate_batch"}
     if unknown or (device.type == "cuda" and not torch.cuda.is_available()):
         print(f"error: {f'unknown baselines {sorted(unknown)}' if unknown else 'CUDA is not available'}",
@@ -585,18 +698,26 @@ def run(args) -> int:
     workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
     engine_kwargs = engine_kwargs_of(args)
     try:                   # checked before any model is built
-        resolve_plan(EngineConfig(**engine_kwargs), device, model_config_of(args.model, device))
+        quantizations = quantizations_of(args.quantization)
+        model_config = model_config_of(args.model, device)
+        for quant in quantizations:
+            quantized = {} if quant is None else {"quantization": quant, "weight_block_size": args.weight_block_size}
+            resolve_plan(EngineConfig(**engine_kwargs, **quantized), device, model_config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     report = bench(device, workloads, args.quick, args.model, baselines, args.seed, engine_kwargs,
-                   args.time_collectives)
+                   args.time_collectives, quantizations, args.weight_block_size)
     print(format_report(report))
     switches = [f"{k.replace('_', '-')}-{str(v).lower()}" for k, v in engine_kwargs.items()]  # non-default runs
+    if quantizations != (None,):
+        switches.append("quant-" + "-".join(str(q).lower() for q in quantizations))
     parts = [device.type, "quick" if args.quick else "", "" if args.workload == "all" else args.workload,
              *switches, str(datetime.date.today())]
-    write_report(report, args.out, "-".join(p for p in parts if p))
-    if report["settings"]["dtype"] == "float32" and report["correctness"]["exact_match"] < 1:
+    write_report(report, args.out, args.name or "-".join(p for p in parts if p))
+    correctness = report.get("correctness")
+    if (report["settings"]["dtype"] == "float32" and correctness is not None and correctness["system"] == "minirt"
+            and correctness["exact_match"] < 1):
         print("FAIL: minirt's greedy tokens differ from transformers' in float32", file=sys.stderr)
         return 1
     return 0

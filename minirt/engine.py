@@ -123,7 +123,7 @@ class Engine:
         elif limit is not None and config.max_model_len > limit:
             raise ValueError(f"max_model_len: {config.max_model_len} exceeds the model's "
                              f"max_position_embeddings = {limit}")
-        self.model, self.tokenizer = load_model(path, device=config.device, dtype=config.dtype)
+        self.model, self.tokenizer = self.load_model(path)
         self.device = self.model.device
         if config.num_kv_blocks is None:
             config.num_kv_blocks = default_num_kv_blocks(model_config, self.model.dtype, self.device,
@@ -457,3 +457,9 @@ class Engine:
         """Stop and start again: after a failure, the engine serves new requests (the pool is all free)."""
         await self.shutdown()
         await self.start()
+
+    def load_model(self, path) -> tuple:
+        """`(model, tokenizer)` of the checkpoint at `path`, in `config.device` and `config.dtype`: chapter 00's
+        `minirt.load_model`. The one builder of the model, so a subclass may load it otherwise (`FastEngine`:
+        quantized)."""
+        return load_model(path, device=self.config.device, dtype=self.config.dtype)

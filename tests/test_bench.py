@@ -302,3 +302,47 @@ def test_readme_switches_table_is_generated_from_rules():
     rows = readme.splitlines()[2:]
     assert [row.split("|")[1].strip(" `") for row in rows] == [rule.name for rule in RULES]
     assert table.main(["--check"]) == 0
+
+
+def test_bench_runs_several_quantizations_in_one_report(tmp_path):
+    """`--quantization none,int8 --baselines none`: minirt twice on the same prompts, the int8 system's step bytes
+    counted independently here (the float model's bytes, less its decoder linears' float weights, plus one byte per
+    weight and a float32 scale per output channel), its roofline at those bytes, its ratios named by system."""
+    import torch
+
+    import minirt
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", "--quick", "--threads", "1",
+                           "--workload", "latency", "--baselines", "none", "--quantization", "int8,none",
+                           "--out", str(tmp_path), "--name", "quant"], capture_output=True, text=True, timeout=300,
+                          env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "quant.json").read_text())
+    assert list(report["results"]["latency"]) == ["minirt", "minirt_int8"]      # unquantized first
+    assert "correctness" not in report                                            # no transformers baseline ran
+    model, _ = minirt.load_model(minirt.DEFAULT_MODEL, device="cpu", dtype=torch.float32)
+    linears = [m for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in name]
+    float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    int8_bytes = float_bytes - sum(m.weight.numel() * 4 - m.weight.numel() - m.out_features * 4 for m in linears)
+    q = report["quantization"]
+    assert q["minirt"]["weight_bytes"] == report["model"]["weight_bytes"] == float_bytes
+    assert q["minirt_int8"]["weight_bytes"] == int8_bytes < float_bytes
+    assert q["minirt_int8"]["quantization"] == "int8" and q["minirt_int8"]["engine_resolved"]["quantization"] == "int8"
+    assert 0 <= q["minirt_int8"]["greedy_vs_minirt"]["exact_match"] <= 1
+    fig = report["results"]["latency"]["minirt_int8"]
+    bandwidth = report["bandwidth"]["bytes_per_s"]
+    assert fig["roofline_fraction"] == pytest.approx(int8_bytes / fig["tpot_p50_s"] / bandwidth)
+    ratios = {r["name"]: r["value"] for r in report["ratios"]}
+    assert ratios["minirt_int8:tokens_per_s_vs_minirt"] == pytest.approx(
+        fig["output_tokens_per_s"] / report["results"]["latency"]["minirt"]["output_tokens_per_s"])
+    assert ratios["minirt_int8:roofline_fraction"] == fig["roofline_fraction"]
+    assert "minirt_int8: " in proc.stdout and "GB read per batch-1 step" in proc.stdout
+
+
+@pytest.mark.parametrize("text", ["int4", "fp8,fp8", "none,,int8"])
+def test_bench_refuses_bad_quantization_lists(text):
+    proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", "--quantization", text],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                          check=False)
+    assert proc.returncode == 2 and "quantization: a comma-separated list of distinct" in proc.stderr, proc.stderr

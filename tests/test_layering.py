@@ -26,7 +26,8 @@ ROOT = PACKAGE.parent
 #: are not among them: they build the full engine, importing it when the first one is built.
 REFERENCE = ["model", "generate", "kv", "attention.py", "request.py", "engine.py", "scheduler.py",
              "model_runner.py", "sampling.py", "config.py", "detokenize.py", "metrics.py"]
-LATER = ("minirt.fast", "minirt.kernels", "minirt.serve", "minirt.parallel", "minirt.bench", "minirt.course")
+LATER = ("minirt.fast", "minirt.kernels", "minirt.serve", "minirt.parallel", "minirt.bench", "minirt.course",
+         "minirt.quant")
 
 
 def python_files(*names: str, under: pathlib.Path = PACKAGE) -> list[pathlib.Path]:
@@ -63,7 +64,7 @@ def test_importing_the_reference_engine_loads_no_fast_module():
     """In a fresh interpreter, `import minirt.engine` (chapter 05) and `import minirt` load no module of
     `minirt.fast`: the full engine's package is imported when the first engine is built."""
     code = ("import sys, {0}; print(sorted(m for m in sys.modules if m.startswith(('minirt.fast', 'minirt.parallel', "
-            "'minirt.kernels'))))")
+            "'minirt.kernels', 'minirt.quant'))))")
     for module in ("minirt.engine", "minirt"):
         out = subprocess.run([sys.executable, "-c", code.format(module)], capture_output=True, text=True,
                              cwd=ROOT, check=True).stdout

@@ -48,6 +48,9 @@ def can_run(name: str, hw: Hardware) -> bool:
 
 def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     """The plan as the contract says, or the name of the first switch that must be refused."""
+    if cfg.weight_block_size is not None and cfg.quantization is None:     # on a float checkpoint
+        return "weight_block_size"
+    quantized = cfg.quantization is not None     # quantized linears run quant_gemv: no norm prologue, no L2 chain
     asked = {name: getattr(cfg, name) for name in ON_OFF}
     asked["flash_attn"] = cfg.attention_backend == "flash_attn"            # "auto" never picks it (measured)
     asked["triton"] = {"auto": None, "triton": True, "torch": False, "flash_attn": False}[cfg.attention_backend]
@@ -61,6 +64,8 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
             "pdl": lambda: on["cuda_graphs"], "combine_in_attention": lambda: False, "l2_prefetch": lambda: on["pdl"]}
     for name in order:
         possible = can_run(name, hw) and all(on[n] for n in NEEDS.get(name, []))
+        if name in ("norm_in_gemv", "l2_prefetch"):
+            possible = possible and not quantized
         if name == "cuda_graphs":                       # a kernel that can be captured: Triton's or flash-attn's
             possible = can_run(name, hw) and (on["triton"] or on["flash_attn"])
         if asked[name] is True and not possible:
@@ -84,16 +89,21 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     if asked["argmax_in_gemv"] is True and not on["gemv"]:
         return "argmax_in_gemv"
     on["argmax_in_gemv"] = on["gemv"] if asked["argmax_in_gemv"] is None else asked["argmax_in_gemv"]
+    # the quantized linears' kernels: off with gemv asked off, else on CUDA with Triton wherever weights are quantized
+    on["quant_gemv"] = (asked["gemv"] is not False and quantized and hw.device_type == "cuda"
+                        and can_run("gemv", hw))
+    on["quantization"], on["weight_block_size"] = cfg.quantization, cfg.weight_block_size
     on.update(speculative=None, num_speculative_tokens=0, speculative_max_batch=0)   # (tests/test_spec_engine.py)
     return on
 
 
 settings_strategy = st.builds(
-    lambda values, backend, split_kv, eager, steps: EngineConfig(attention_backend=backend, split_kv=split_kv,
-                                                                 enforce_eager=eager, num_scheduler_steps=steps,
-                                                                 **dict(zip(ON_OFF, values))),
+    lambda values, backend, split_kv, eager, steps, quant: EngineConfig(
+        attention_backend=backend, split_kv=split_kv, enforce_eager=eager, num_scheduler_steps=steps,
+        quantization=quant[0], weight_block_size=quant[1], **dict(zip(ON_OFF, values))),
     st.tuples(*[st.sampled_from([None, True, False])] * len(ON_OFF)), st.sampled_from(["auto", "torch", "triton", "flash_attn"]),
-    st.booleans(), st.booleans(), st.sampled_from([None, 1, 4]))
+    st.booleans(), st.booleans(), st.sampled_from([None, 1, 4]),
+    st.sampled_from([(None, None)] * 4 + [("int8", None), ("fp8", 16), (None, 16)]))
 
 
 @settings(max_examples=600, deadline=None)

@@ -1,12 +1,13 @@
 """Chapter 07's engine: chapter 05's `Engine`, built from a plan.
 
 `FastEngine` resolves every speed switch once into a `Plan` (`minirt.fast.plan.resolve_plan`), before the model
-loads, so that a switch that cannot run is refused by name first. Then it builds what the plan says: its runner
-(`build_model_runner`: the plan's fast modules swapped into the model, its attention kernels and CUDA graphs,
-`minirt.fast.runner`), its scheduler (`minirt.fast.multi_step.BurstScheduler` with multi-step decode) and its step
-(`choose_step`: bursts of decode steps, overlap and async scheduling; with the plan's `speculative`, chapter 11's
-scheduler and step, `minirt.spec.engine`). `Engine.step`, the step chapter 05 shows, is
-never replaced; the step the loop runs is stored apart, in `step_fn` (as vLLM v1 keeps `step` and its `step_fn`).
+loads, so that a switch that cannot run is refused by name first. Then it builds what the plan says: its model
+(`load_model`: with chapter 10's quantized weights), its runner (`build_model_runner`: the plan's fast modules
+swapped into the model, its attention kernels and CUDA graphs, `minirt.fast.runner`), its scheduler
+(`minirt.fast.multi_step.BurstScheduler` with multi-step decode) and its step (`choose_step`: bursts of decode
+steps, overlap and async scheduling; with the plan's `speculative`, chapter 11's scheduler and step,
+`minirt.spec.engine`). `Engine.step`, the step chapter 05 shows, is never replaced; the step the loop
+runs is stored apart, in `step_fn` (as vLLM v1 keeps `step` and its `step_fn`).
 """
 
 from __future__ import annotations
@@ -82,3 +83,17 @@ class FastEngine(Engine):
             return self.step if async_steps is None else async_steps.step
         bursts = BurstSteps(self, async_steps)
         return bursts.overlapped_step if self.plan.overlap_scheduling else bursts.step
+
+    def load_model(self, path):
+        """Chapter 00's model for float weights; with `plan.quantization` (chapter 10, `minirt.quant`), a
+        pre-quantized FP8 checkpoint loaded by its `quantization_config` (`load_fp8_checkpoint`), or a float one
+        loaded and its decoder linears quantized (`quantize_model`, with `plan.weight_block_size`)."""
+        if self.plan.quantization is None:
+            return super().load_model(path)
+        from minirt.quant.model import checkpoint_quantization, load_fp8_checkpoint, quantize_model
+
+        if checkpoint_quantization(load_config(path)) is not None:
+            return load_fp8_checkpoint(path, device=self.config.device, dtype=self.config.dtype)
+        model, tokenizer = super().load_model(path)
+        quantize_model(model, self.plan.quantization, self.plan.weight_block_size)
+        return model, tokenizer

@@ -30,15 +30,22 @@ from minirt.fast.attention import KernelPagedAttention
 from minirt.fast.ops import ModelKernels, fused, model_kernels
 from minirt.model.decoder import DecoderAttention, DecoderLayer, DecoderModel
 from minirt.model.layers import GatedMLP, RMSNorm, RotaryEmbedding, add_rms_norm, rms_norm
+from minirt.quant.linear import QuantizedLinear
 
-def merge_linears(*linears: nn.Linear) -> nn.Linear:
+def merge_linears(*linears: nn.Linear) -> nn.Linear | None:
     """One `nn.Linear` whose output is the outputs of `linears` side by side: one GEMM instead of several.
 
     Every projection of a decode step is a matrix-vector product that reads its weight once; small ones
     cost a kernel launch and a wave of thread blocks each, whatever their size. vLLM loads q/k/v into one
     `QKVParallelLinear` and gate/up into one `MergedColumnParallelLinear` for the same reason.
+    Quantized layers merge into one `QuantizedLinear` (`minirt.fast.quant_layers.merge_quantized`), or give None
+    where their scales cannot be concatenated.
     """
     first = linears[0]
+    if isinstance(first, QuantizedLinear):
+        from minirt.fast.quant_layers import merge_quantized
+
+        return merge_quantized(*linears)
     merged = nn.Linear(first.in_features, sum(m.out_features for m in linears), bias=first.bias is not None,
                        device=first.weight.device, dtype=first.weight.dtype)
     with torch.no_grad():
@@ -119,8 +126,22 @@ class CachedRotaryEmbedding(RotaryEmbedding):
         return self.lookup(self.cos_sin_table, positions)
 
 
-def _with_gemv(linear: nn.Linear, kernels: ModelKernels) -> nn.Module:
+def _with_gemv(linear: nn.Module, kernels: ModelKernels) -> nn.Module:
+    """The plan's module for one projection: a float `nn.Linear` through `GemvLinear` (kernels.gemv), a
+    `QuantizedLinear` through `FastQuantizedLinear` (kernels.quant_gemv); as it is where that kernel is None."""
+    if isinstance(linear, QuantizedLinear):
+        if kernels.quant_gemv is None:
+            return linear
+        from minirt.fast.quant_layers import fast_quantized
+
+        return fast_quantized(linear, kernels.quant_gemv)
     return linear if kernels.gemv is None else GemvLinear(linear, kernels.gemv)
+
+
+def _merged(linears, merge: bool, kernels: ModelKernels):
+    """The merged projection of `linears` through the plan's kernel, or None (not merging, or they cannot)."""
+    merged = merge_linears(*linears) if merge else None
+    return None if merged is None else _with_gemv(merged, kernels)
 
 
 class FusedRMSNorm(RMSNorm):
@@ -148,8 +169,9 @@ class FastAttention(nn.Module):
             attn.layer_idx, attn.num_heads, attn.num_kv_heads, attn.head_dim)
         projections = (attn.q_proj, attn.k_proj, attn.v_proj)
         self.qkv_sizes = [p.out_features for p in projections]
-        self.qkv_proj = _with_gemv(merge_linears(*projections), kernels) if merge else None
-        self.q_proj, self.k_proj, self.v_proj = (None,) * 3 if merge else (_with_gemv(p, kernels) for p in projections)
+        self.qkv_proj = _merged(projections, merge, kernels)
+        self.q_proj, self.k_proj, self.v_proj = ((None,) * 3 if self.qkv_proj is not None
+                                                 else (_with_gemv(p, kernels) for p in projections))
         self.o_proj = _with_gemv(attn.o_proj, kernels)
         self.qk_norm = attn.qk_norm
         if attn.qk_norm:
@@ -185,9 +207,9 @@ class FastMLP(nn.Module):
 
     def __init__(self, mlp: GatedMLP, merge: bool, kernels: ModelKernels):
         super().__init__()
-        self.gate_up_proj = _with_gemv(merge_linears(mlp.gate_proj, mlp.up_proj), kernels) if merge else None
-        self.gate_proj, self.up_proj = (None, None) if merge else (_with_gemv(mlp.gate_proj, kernels),
-                                                                   _with_gemv(mlp.up_proj, kernels))
+        self.gate_up_proj = _merged((mlp.gate_proj, mlp.up_proj), merge, kernels)
+        self.gate_proj, self.up_proj = ((None, None) if self.gate_up_proj is not None
+                                        else (_with_gemv(mlp.gate_proj, kernels), _with_gemv(mlp.up_proj, kernels)))
         self.down_proj = _with_gemv(mlp.down_proj, kernels)
         self.act = kernels.silu_and_mul
 
@@ -197,6 +219,8 @@ class FastMLP(nn.Module):
             return self.down_proj(self.act(self.gate_proj(x), self.up_proj(x)))
         if isinstance(proj, GemvLinear) and one_row(x):        # the product in the GEMV's epilogue
             return self.down_proj(proj.gemv(x, proj.weight, proj.bias, silu_and_mul=True))
+        if hasattr(proj, "silu_and_mul"):                      # FastQuantizedLinear: in quant_gemv's, few rows
+            return self.down_proj(proj.silu_and_mul(x, self.act))
         return self.down_proj(self.act(*proj(x).chunk(2, dim=-1)))
 
 

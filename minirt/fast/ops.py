@@ -90,13 +90,16 @@ class ModelKernels:
     through `F.linear`). rotate: `norm_and_rotate`'s contract. rotate_and_store: `norm_rotate_and_store`'s, or None
     (the attention backend writes K/V). l2_table: weights -> the `l2_prefetch` argument of `gemv`
     (`minirt.kernels.gemv_triton.l2_prefetch_table`), used where the plan asks for the L2 prefetch.
-    silu_and_mul: `minirt.model.layers.silu_and_mul`'s contract (gate, up -> silu(gate) * up)."""
+    silu_and_mul: `minirt.model.layers.silu_and_mul`'s contract (gate, up -> silu(gate) * up). quant_gemv: few-row
+    products of quantized linears (`minirt.fast.quant_layers.quant_gemv_reference`'s contract), or None (the
+    `QuantizedLinear` layers stay as loaded)."""
 
     gemv: Callable | None = None
     rotate: Callable = norm_and_rotate
     rotate_and_store: Callable | None = None
     l2_table: Callable | None = None
     silu_and_mul: Callable = silu_and_mul
+    quant_gemv: Callable | None = None
 
 
 def model_kernels(plan) -> ModelKernels:
@@ -117,4 +120,9 @@ def model_kernels(plan) -> ModelKernels:
             rotate_and_store = functools.partial(norm_rotate_and_store_triton, pdl=plan.pdl)
     if plan.silu_and_mul_kernel:
         from minirt.kernels.silu_and_mul_triton import silu_and_mul_triton as act
-    return ModelKernels(gemv, rotate, rotate_and_store, l2_table, act)
+    quant_gemv = None
+    if plan.quant_gemv:
+        from minirt.kernels.quant_gemv_triton import quant_gemv
+
+        quant_gemv = functools.partial(quant_gemv, pdl=True) if plan.pdl else quant_gemv
+    return ModelKernels(gemv, rotate, rotate_and_store, l2_table, act, quant_gemv)

@@ -61,6 +61,9 @@ class Plan:
 
     attention_backend: "torch", "triton" or "flash_attn". cuda_graphs: decode steps replay CUDA graphs
     (`enforce_eager` off and possible). num_scheduler_steps: decode steps per schedule (1: single steps). The others: on or off.
+    quant_gemv: quantized linears through `minirt.fast.quant_layers.FastQuantizedLinear` (few rows: the Triton
+    `quant_gemv`; more: FP8 tensor-core GEMMs or dequantize-then-GEMM). Chapter 10's: quantization: None (float weights), "int8" or "fp8", as asked or as the checkpoint's
+    `quantization_config` says; weight_block_size: None (per output channel) or B (B x B blocks) (`minirt.quant`).
     """
 
     attention_backend: str = "torch"
@@ -83,6 +86,9 @@ class Plan:
     silu_and_mul_kernel: bool = False
     rotary_cache: bool = False
     argmax_in_gemv: bool = False
+    quant_gemv: bool = False
+    quantization: str | None = None
+    weight_block_size: int | None = None
     # chapter 11 (`minirt.spec`): the drafter (None: no speculation), k, and the running batch above which a step
     # drafts nothing (decoding that many rows is no longer bound by reading the weights: verifying costs more)
     speculative: str | None = None
@@ -102,9 +108,10 @@ class Plan:
 class _Resolution:
     """The switches resolved so far, and why each one that is off is off."""
 
-    def __init__(self, hw: Hardware, tensor_parallel_size: int = 1):
+    def __init__(self, hw: Hardware, tensor_parallel_size: int = 1, quantization: str | None = None):
         self.hw = hw
         self.tensor_parallel_size = tensor_parallel_size
+        self.quantization = quantization
         self.on: dict[str, bool | int] = {}
         self.why_off: dict[str, str] = {}
 
@@ -162,6 +169,18 @@ def _one_process(r: _Resolution) -> list[str]:
     return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks run no graphs, GEMVs or bursts)"]
 
 
+def _float_weights(r: _Resolution) -> list[str]:
+    """What a switch built on the float GEMV of the decoder's merged projections (its norm prologue, its L2
+    prefetch chain) lacks under quantized weights: chapter 10's `QuantizedLinear` layers run `quant_gemv`, which
+    has neither yet."""
+    return [] if not r.on["quantization"] else [f"float weights (got quantization={r.quantization!r})"]
+
+
+def _quantized_one_process(r: _Resolution) -> list[str]:
+    tp = r.tensor_parallel_size
+    return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks load float weights)"]
+
+
 def _bursts(r: _Resolution) -> list[str]:
     """What overlap scheduling lacks: bursts of decode steps to overlap (multi-step decode)."""
     if _more_than_one(r.on["num_scheduler_steps"]):
@@ -192,6 +211,10 @@ SPECULATIVE_MAX_TOKENS = 128
 
 
 RULES: tuple[Rule, ...] = (
+    # quantization's value is resolved before the table (`resolve_quantization`: the setting, or the checkpoint's
+    # quantization_config); this row only asks what quantized weights need, and the rows below read it.
+    Rule("quantization", "quantized weights", _quantized_one_process, lambda r: False,
+         "never (asked for, or by a pre-quantized checkpoint)", asked=lambda v: v is not None),
     # attention_backend is one field and two rows: "flash_attn" (minirt.fast.flash_attn), then "triton".
     # auto keeps minirt's Triton kernel: with split-KV it decodes faster than flash-attn-4, which has no split-KV
     # on Hopper; flash-attn-4 is faster on prefill chunks of 256 tokens and more, a per-phase choice not built yet
@@ -209,9 +232,17 @@ RULES: tuple[Rule, ...] = (
          field="enforce_eager", label="CUDA graphs", asked=lambda v: False if v else None),
     Rule("fused_ops", "torch.compile-fused ops", lambda r: list(r.hw.triton) if _cuda(r) else [], _cuda,
          "on CUDA"),                                      # Inductor writes Triton kernels for CUDA tensors
+    # Quantized q/k/v and gate/up merge too (`minirt.fast.quant_layers.merge_quantized`); the GEMV kernel runs the
+    # float linears that stay under quantization (the LM head), `quant_gemv` the quantized ones.
     Rule("merge_projections", "merged projections", lambda r: [], _cuda, "on CUDA"),
     Rule("gemv", "the Triton matrix-vector kernel", lambda r: [*r.hw.triton, *_one_process(r)], _graphs,
          "with CUDA graphs"),
+    # Follows gemv off; on wherever quantized weights run on CUDA, graphs or not: their reference dequantizes the
+    # whole weight at every call (`minirt.fast.quant_layers.FastQuantizedLinear`).
+    Rule("quant_gemv", "the quantized GEMV kernel and FP8 GEMMs",
+         lambda r: [*r.hw.triton, *_one_process(r), *r.need("quantization")],
+         lambda r: _cuda(r), "on CUDA with quantized weights", field="gemv",
+         asked=lambda v: False if v is False else None),
     # Chapter 11. The plan's `speculative` holds the drafter's name; verification steps (k+1 rows per request) run
     # through the piecewise graphs where those are on, else eagerly, and steps without drafts replay the decode
     # graphs: no graph is captured per k.
@@ -226,8 +257,9 @@ RULES: tuple[Rule, ...] = (
     # (with speculation, bursts run in the steps that draft nothing: a batch above speculative_max_batch)
     Rule("num_scheduler_steps", "multi-step decode", _one_process, lambda r: 8 if _graphs(r) else 1,
          "8 with CUDA graphs, else 1"),
-    Rule("norm_in_gemv", "the GEMV's norm prologue", lambda r: r.need("gemv", "merge_projections"),
-         lambda r: True, "with gemv and merged projections"),
+    Rule("norm_in_gemv", "the GEMV's norm prologue",
+         lambda r: [*r.need("gemv", "merge_projections"), *_float_weights(r)], lambda r: True,
+         "with gemv and merged projections"),
     Rule("rotary_kernel", "the Triton kernel", lambda r: [*r.hw.triton, *r.hw.head_dim], _graphs,
          "with CUDA graphs"),
     Rule("pdl", "programmatic dependent launch", lambda r: list(r.hw.pdl), _graphs,
@@ -239,7 +271,8 @@ RULES: tuple[Rule, ...] = (
          lambda r: r.need("attention_backend", "split_kv"), lambda r: False, "off (slower where PDL runs)"),
     Rule("prefetch_kv", "loading K/V before the PDL wait", lambda r: r.need("pdl", "split_kv", "attention_backend"),
          lambda r: True, "with PDL and split-KV Triton attention"),
-    Rule("l2_prefetch", "the bulk prefetch into L2", lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections")],
+    Rule("l2_prefetch", "the bulk prefetch into L2",
+         lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections"), *_float_weights(r)],
          lambda r: bool(r.on["pdl"]), "with the GEMV kernel, merged projections and PDL"),
     Rule("overlap_scheduling", "launching the next burst before taking this one's tokens",
          lambda r: _no_speculation(r) + _bursts(r), lambda r: True,
@@ -264,17 +297,48 @@ def _more_than_one(asked) -> bool:
     return isinstance(asked, int) and not isinstance(asked, bool) and asked > 1
 
 
+def resolve_quantization(config: EngineConfig, model_config=None) -> tuple[str | None, int | None]:
+    """`(quantization, weight_block_size)` that run: the settings' on a float checkpoint, the checkpoint's own
+    (its `quantization_config`, `minirt.quant.model.checkpoint_quantization`) on a pre-quantized one, where the
+    settings must leave them None or agree. Raises ValueError naming the field: a checkpoint's unknown
+    quant_method; a quantization other than the checkpoint's (int8 asked on FP8 weights); a weight_block_size
+    other than the checkpoint's; a weight_block_size with quantization None on a float checkpoint."""
+    asked, block = config.quantization, config.weight_block_size
+    checkpoint = None
+    if model_config is not None:
+        from minirt.quant.model import checkpoint_quantization
+
+        checkpoint = checkpoint_quantization(model_config)
+    if checkpoint is None:
+        if asked is None and block is not None:
+            raise ValueError(f"weight_block_size: {block} set, but quantization is None and the checkpoint's weights "
+                             "are float (choose quantization='int8' or 'fp8')")
+        return asked, block
+    method, checkpoint_block = checkpoint
+    if asked is not None and asked != method:
+        raise ValueError(f"quantization: {asked!r} asked, but the checkpoint's weights are already {method} (its "
+                         f"quantization_config); leave quantization None or {method!r}")
+    if block is not None and block != checkpoint_block:
+        raise ValueError(f"weight_block_size: {block} disagrees with the checkpoint's quantization_config."
+                         f"weight_block_size ({checkpoint_block} x {checkpoint_block} blocks; None: one scale per "
+                         "tensor); leave it None")
+    return method, checkpoint_block
+
+
 def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
                  hardware: Hardware | None = None) -> Plan:
     """The `Plan` for these settings on `device` with this model (an HF config; its head_dim is what the Triton
-    attention and rotary kernels check). `hardware` overrides what `Hardware.of(device, head_dim)` finds (tests).
-    Raises ValueError naming the switch and what it lacks for a switch asked for (True) that cannot run."""
+    attention and rotary kernels check, its `quantization_config` what `resolve_quantization` reads).
+    `hardware` overrides what `Hardware.of(device, head_dim)` finds (tests). Raises ValueError naming the switch
+    and what it lacks for a switch asked for (True) that cannot run, and those `resolve_quantization` raises."""
+    quantization, weight_block_size = resolve_quantization(config, model_config)
+    config = dataclasses.replace(config, quantization=quantization, weight_block_size=weight_block_size)
     if hardware is None:
         from minirt.model.layers import head_dim_of
 
         hardware = Hardware.of(device, head_dim_of(model_config) if model_config is not None else 16,
                                config.dtype, config.block_size, flash_attn=config.attention_backend == "flash_attn")
-    r = _Resolution(hardware, config.tensor_parallel_size)
+    r = _Resolution(hardware, config.tensor_parallel_size, quantization)
     for rule in RULES:
         value = getattr(config, rule.config_field())
         asked = rule.asked(value) if rule.asked else value
@@ -297,4 +361,5 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
     values["speculative"] = config.speculative if values["speculative"] else None
     values["num_speculative_tokens"] = int(values["num_speculative_tokens"])
     values["speculative_max_batch"] = int(values["speculative_max_batch"])
-    return Plan(**values)
+    values["quantization"] = quantization if values.pop("quantization") else None
+    return Plan(**values, weight_block_size=weight_block_size)
