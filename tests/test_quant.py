@@ -334,6 +334,20 @@ def test_transformers_reads_our_fp8_checkpoints_as_we_do(tiny_models, tmp_path):
         assert_greedy_equals(minirt.LLM(str(dst), device="cpu"), str(dst), tiny_models["qwen2"])
 
 
+def test_vllms_name_of_a_per_tensor_scale_is_read_too(tiny_models, tmp_path):
+    """vLLM's per-tensor FP8 checkpoints call the scale `weight_scale`: the same layers, the same weights."""
+    dst = fp8_checkpoint(tiny_models, tmp_path, "qwen2", None)
+    want = {n: m.dequantized() for n, m in quantized_modules(load_fp8_checkpoint(dst, device="cpu")[0]).items()}
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors = {n.removesuffix("_inv"): t for n, t in tensors.items()}
+    save_file(tensors, str(dst / "model.safetensors"))
+    got = {n: m.dequantized() for n, m in quantized_modules(load_fp8_checkpoint(dst, device="cpu")[0]).items()}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    edit_quantization_config(dst, weight_block_size=[16, 16])      # block scales are weight_scale_inv only
+    with pytest.raises(ValueError, match=r"^weights: .*weight_scale"):    # a weight with no scale, or a stray one
+        load_fp8_checkpoint(dst, device="cpu")
+
+
 def test_a_quantized_lm_head_is_dequantized_into_the_float_head(tiny_models, tmp_path):
     """A checkpoint that stores its LM head in FP8 too (no modules_to_not_convert): the head stays an nn.Linear
     here, holding the dequantized weight."""
