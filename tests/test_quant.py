@@ -413,13 +413,13 @@ def test_settings_refused_on_a_float_checkpoint(tiny_models, monkeypatch):
     monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
     with pytest.raises(ValueError, match=r"^weight_block_size: 16 set, but quantization is None"):
         minirt.LLM(tiny_models["llama"], device="cpu", weight_block_size=16)
-    with pytest.raises(ValueError, match=r"^quantization: quantized weights needs tensor_parallel_size=1 \(got 2"):
+    with pytest.raises(ValueError, match=r"^quantization: quantized weights need tensor_parallel_size=1 \(got 2"):
         minirt.LLM(tiny_models["llama"], device="cpu", quantization="int8", tensor_parallel_size=2)
 
 
 def test_an_fp8_checkpoint_under_tensor_parallelism_is_refused(tiny_models, tmp_path):
     config = load_config(fp8_checkpoint(tiny_models, tmp_path))
-    with pytest.raises(ValueError, match=r"^quantization: quantized weights needs tensor_parallel_size=1 \(got 2"):
+    with pytest.raises(ValueError, match=r"^quantization: quantized weights need tensor_parallel_size=1 \(got 2"):
         resolve_plan(EngineConfig(tensor_parallel_size=2), CPU, config)
 
 
