@@ -348,6 +348,26 @@ def test_vllms_name_of_a_per_tensor_scale_is_read_too(tiny_models, tmp_path):
         load_fp8_checkpoint(dst, device="cpu")
 
 
+def test_a_per_channel_scale_loads_where_the_config_has_no_block_size(tiny_models, tmp_path):
+    """With weight_block_size null a layer's scale may also be one per output channel, `[N]` or `[N, 1]`."""
+    dst = fp8_checkpoint(tiny_models, tmp_path, "llama", None)
+    tensors = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj"
+    tensors[f"{name}.weight"], scale = quantize(load_file(str(Path(tiny_models["llama"]) / "model.safetensors"))
+                                                [f"{name}.weight"], "fp8", None)
+    for shape in ((-1,), (-1, 1)):
+        tensors[f"{name}.weight_scale_inv"] = scale.reshape(shape)
+        save_file(tensors, str(dst / "model.safetensors"))
+        layer = load_fp8_checkpoint(dst, device="cpu")[0].get_submodule(name)
+        want = tensors[f"{name}.weight"].float() * scale[:, None]
+        assert torch.equal(layer.dequantized(), want)
+    tensors[f"{name}.weight_scale_inv"] = scale[:5]
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"^weights: '{name}.weight_scale_inv' has shape \(5,\); with "
+                                         r"weight_block_size null a scale is one per tensor"):
+        load_fp8_checkpoint(dst, device="cpu")
+
+
 def test_a_quantized_lm_head_is_dequantized_into_the_float_head(tiny_models, tmp_path):
     """A checkpoint that stores its LM head in FP8 too (no modules_to_not_convert): the head stays an nn.Linear
     here, holding the dequantized weight."""

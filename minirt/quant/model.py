@@ -38,7 +38,7 @@ import torch
 from torch import nn
 
 from minirt.model.decoder import DecoderModel
-from minirt.model.loader import load_config, resolve_checkpoint, resolve_device, resolve_dtype
+from minirt.model.loader import load_config, load_tokenizer, resolve_checkpoint, resolve_device, resolve_dtype
 from minirt.quant.formats import METHODS, dequantize, quantize, scale_shape
 from minirt.quant.linear import QuantizedLinear
 
@@ -170,8 +170,6 @@ def load_fp8_checkpoint(model: str | os.PathLike, device: torch.device | str | N
     a quantized weight that is not float8_e4m3fn, a scale whose shape does not match its weight and block size, or
     a tensor the model does not have; FileNotFoundError for a missing checkpoint.
     """
-    from minirt.model.loader import load_tokenizer
-
     path = resolve_checkpoint(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
