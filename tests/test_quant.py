@@ -334,6 +334,40 @@ def test_transformers_reads_our_fp8_checkpoints_as_we_do(tiny_models, tmp_path):
         assert_greedy_equals(minirt.LLM(str(dst), device="cpu"), str(dst), tiny_models["qwen2"])
 
 
+def test_vllms_name_of_a_per_tensor_scale_is_read_too(tiny_models, tmp_path):
+    """vLLM's per-tensor FP8 checkpoints call the scale `weight_scale`: the same layers, the same weights."""
+    dst = fp8_checkpoint(tiny_models, tmp_path, "qwen2", None)
+    want = {n: m.dequantized() for n, m in quantized_modules(load_fp8_checkpoint(dst, device="cpu")[0]).items()}
+    tensors = load_file(str(dst / "model.safetensors"))
+    tensors = {n.removesuffix("_inv"): t for n, t in tensors.items()}
+    save_file(tensors, str(dst / "model.safetensors"))
+    got = {n: m.dequantized() for n, m in quantized_modules(load_fp8_checkpoint(dst, device="cpu")[0]).items()}
+    assert sorted(got) == sorted(want) and all(torch.equal(got[n], want[n]) for n in want)
+    edit_quantization_config(dst, weight_block_size=[16, 16])      # block scales are weight_scale_inv only
+    with pytest.raises(ValueError, match=r"^weights: .*weight_scale"):    # a weight with no scale, or a stray one
+        load_fp8_checkpoint(dst, device="cpu")
+
+
+def test_a_per_channel_scale_loads_where_the_config_has_no_block_size(tiny_models, tmp_path):
+    """With weight_block_size null a layer's scale may also be one per output channel, `[N]` or `[N, 1]`."""
+    dst = fp8_checkpoint(tiny_models, tmp_path, "llama", None)
+    tensors = load_file(str(dst / "model.safetensors"))
+    name = "model.layers.0.self_attn.q_proj"
+    tensors[f"{name}.weight"], scale = quantize(load_file(str(Path(tiny_models["llama"]) / "model.safetensors"))
+                                                [f"{name}.weight"], "fp8", None)
+    for shape in ((-1,), (-1, 1)):
+        tensors[f"{name}.weight_scale_inv"] = scale.reshape(shape)
+        save_file(tensors, str(dst / "model.safetensors"))
+        layer = load_fp8_checkpoint(dst, device="cpu")[0].get_submodule(name)
+        want = tensors[f"{name}.weight"].float() * scale[:, None]
+        assert torch.equal(layer.dequantized(), want)
+    tensors[f"{name}.weight_scale_inv"] = scale[:5]
+    save_file(tensors, str(dst / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"^weights: '{name}.weight_scale_inv' has shape \(5,\); with "
+                                         r"weight_block_size null a scale is one per tensor"):
+        load_fp8_checkpoint(dst, device="cpu")
+
+
 def test_a_quantized_lm_head_is_dequantized_into_the_float_head(tiny_models, tmp_path):
     """A checkpoint that stores its LM head in FP8 too (no modules_to_not_convert): the head stays an nn.Linear
     here, holding the dequantized weight."""
@@ -399,13 +433,13 @@ def test_settings_refused_on_a_float_checkpoint(tiny_models, monkeypatch):
     monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))
     with pytest.raises(ValueError, match=r"^weight_block_size: 16 set, but quantization is None"):
         minirt.LLM(tiny_models["llama"], device="cpu", weight_block_size=16)
-    with pytest.raises(ValueError, match=r"^quantization: quantized weights needs tensor_parallel_size=1 \(got 2"):
+    with pytest.raises(ValueError, match=r"^quantization: quantized weights need tensor_parallel_size=1 \(got 2"):
         minirt.LLM(tiny_models["llama"], device="cpu", quantization="int8", tensor_parallel_size=2)
 
 
 def test_an_fp8_checkpoint_under_tensor_parallelism_is_refused(tiny_models, tmp_path):
     config = load_config(fp8_checkpoint(tiny_models, tmp_path))
-    with pytest.raises(ValueError, match=r"^quantization: quantized weights needs tensor_parallel_size=1 \(got 2"):
+    with pytest.raises(ValueError, match=r"^quantization: quantized weights need tensor_parallel_size=1 \(got 2"):
         resolve_plan(EngineConfig(tensor_parallel_size=2), CPU, config)
 
 

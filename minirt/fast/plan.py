@@ -6,6 +6,10 @@ missing, it raises ValueError naming the switch and what is missing; None turns 
 and `Rule.auto` says it pays; False keeps it off. The result says what runs, and it is the only place that says
 so: the engine builds from it, and `bench`, chapter 07 and the JSON reports read it (`engine.plan`).
 
+Chapter 10's quantization is a value, not a switch: `resolve_quantization` reads it first (from the settings, or
+from a pre-quantized checkpoint's `quantization_config`), and the rows of the switches that rewrite the linear
+layers need float weights.
+
 mini-sglang resolves its "auto" settings the same way, once, into a frozen config (`_adjust_config`); vLLM picks
 each op's implementation once when it is built (`CustomOp`). Adding an optimization is one module in
 `minirt.fast` and one row here.
@@ -170,15 +174,14 @@ def _one_process(r: _Resolution) -> list[str]:
 
 
 def _float_weights(r: _Resolution) -> list[str]:
-    """What a switch built on the float GEMV of the decoder's merged projections (its norm prologue, its L2
-    prefetch chain) lacks under quantized weights: chapter 10's `QuantizedLinear` layers run `quant_gemv`, which
-    has neither yet."""
-    return [] if not r.on["quantization"] else [f"float weights (got quantization={r.quantization!r})"]
+    """What a switch that rewrites the decoder's `nn.Linear` layers lacks under quantized weights (chapter 10's
+    `QuantizedLinear` holds int8/FP8 buffers, which these fast modules do not read)."""
+    return [] if r.quantization is None else [f"float weights (got quantization={r.quantization!r})"]
 
 
-def _quantized_one_process(r: _Resolution) -> list[str]:
-    tp = r.tensor_parallel_size
-    return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks load float weights)"]
+def _quantized(r: _Resolution) -> list[str]:
+    """What the quantized linears' kernels lack with float weights: weights to dequantize."""
+    return [] if r.quantization is not None else ["quantized weights (quantization=None and a float checkpoint)"]
 
 
 def _bursts(r: _Resolution) -> list[str]:
@@ -211,10 +214,6 @@ SPECULATIVE_MAX_TOKENS = 128
 
 
 RULES: tuple[Rule, ...] = (
-    # quantization's value is resolved before the table (`resolve_quantization`: the setting, or the checkpoint's
-    # quantization_config); this row only asks what quantized weights need, and the rows below read it.
-    Rule("quantization", "quantized weights", _quantized_one_process, lambda r: False,
-         "never (asked for, or by a pre-quantized checkpoint)", asked=lambda v: v is not None),
     # attention_backend is one field and two rows: "flash_attn" (minirt.fast.flash_attn), then "triton".
     # auto keeps minirt's Triton kernel: with split-KV it decodes faster than flash-attn-4, which has no split-KV
     # on Hopper; flash-attn-4 is faster on prefill chunks of 256 tokens and more, a per-phase choice not built yet
@@ -240,7 +239,7 @@ RULES: tuple[Rule, ...] = (
     # Follows gemv off; on wherever quantized weights run on CUDA, graphs or not: their reference dequantizes the
     # whole weight at every call (`minirt.fast.quant_layers.FastQuantizedLinear`).
     Rule("quant_gemv", "the quantized GEMV kernel and FP8 GEMMs",
-         lambda r: [*r.hw.triton, *_one_process(r), *r.need("quantization")],
+         lambda r: [*r.hw.triton, *_one_process(r), *_quantized(r)],
          lambda r: _cuda(r), "on CUDA with quantized weights", field="gemv",
          asked=lambda v: False if v is False else None),
     # Chapter 11. The plan's `speculative` holds the drafter's name; verification steps (k+1 rows per request) run
@@ -302,7 +301,8 @@ def resolve_quantization(config: EngineConfig, model_config=None) -> tuple[str |
     (its `quantization_config`, `minirt.quant.model.checkpoint_quantization`) on a pre-quantized one, where the
     settings must leave them None or agree. Raises ValueError naming the field: a checkpoint's unknown
     quant_method; a quantization other than the checkpoint's (int8 asked on FP8 weights); a weight_block_size
-    other than the checkpoint's; a weight_block_size with quantization None on a float checkpoint."""
+    other than the checkpoint's; a weight_block_size with quantization None on a float checkpoint; quantized
+    weights with tensor_parallel_size > 1 (chapter 09's ranks load float weights)."""
     asked, block = config.quantization, config.weight_block_size
     checkpoint = None
     if model_config is not None:
@@ -313,16 +313,20 @@ def resolve_quantization(config: EngineConfig, model_config=None) -> tuple[str |
         if asked is None and block is not None:
             raise ValueError(f"weight_block_size: {block} set, but quantization is None and the checkpoint's weights "
                              "are float (choose quantization='int8' or 'fp8')")
-        return asked, block
-    method, checkpoint_block = checkpoint
-    if asked is not None and asked != method:
-        raise ValueError(f"quantization: {asked!r} asked, but the checkpoint's weights are already {method} (its "
-                         f"quantization_config); leave quantization None or {method!r}")
-    if block is not None and block != checkpoint_block:
-        raise ValueError(f"weight_block_size: {block} disagrees with the checkpoint's quantization_config."
-                         f"weight_block_size ({checkpoint_block} x {checkpoint_block} blocks; None: one scale per "
-                         "tensor); leave it None")
-    return method, checkpoint_block
+        resolved = (asked, block)
+    else:
+        method, checkpoint_block = resolved = checkpoint
+        if asked is not None and asked != method:
+            raise ValueError(f"quantization: {asked!r} asked, but the checkpoint's weights are already {method} "
+                             f"(its quantization_config); leave quantization None or {method!r}")
+        if block is not None and block != checkpoint_block:
+            raise ValueError(f"weight_block_size: {block} disagrees with the checkpoint's quantization_config."
+                             f"weight_block_size ({checkpoint_block} x {checkpoint_block} blocks; None: one scale "
+                             "per tensor); leave it None")
+    if resolved[0] is not None and config.tensor_parallel_size > 1:
+        raise ValueError(f"quantization: quantized weights need tensor_parallel_size=1 (got "
+                         f"{config.tensor_parallel_size}: the ranks load float weights)")
+    return resolved
 
 
 def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
@@ -332,7 +336,6 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
     `hardware` overrides what `Hardware.of(device, head_dim)` finds (tests). Raises ValueError naming the switch
     and what it lacks for a switch asked for (True) that cannot run, and those `resolve_quantization` raises."""
     quantization, weight_block_size = resolve_quantization(config, model_config)
-    config = dataclasses.replace(config, quantization=quantization, weight_block_size=weight_block_size)
     if hardware is None:
         from minirt.model.layers import head_dim_of
 
@@ -361,5 +364,4 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
     values["speculative"] = config.speculative if values["speculative"] else None
     values["num_speculative_tokens"] = int(values["num_speculative_tokens"])
     values["speculative_max_batch"] = int(values["speculative_max_batch"])
-    values["quantization"] = quantization if values.pop("quantization") else None
-    return Plan(**values, weight_block_size=weight_block_size)
+    return Plan(**values, quantization=quantization, weight_block_size=weight_block_size)

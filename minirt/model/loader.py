@@ -91,8 +91,13 @@ def load_config(path: str | os.PathLike):
 
 
 def load_weights(model: DecoderModel, path: Path) -> None:
-    """Copy every tensor of `path/*.safetensors` into the model's parameters of the same name."""
+    """Copy every tensor of `path/*.safetensors` into the model's parameters of the same name. Raises ValueError
+    for a pre-quantized checkpoint (weights and scales, which chapter 10's `minirt.quant` loads)."""
     from safetensors.torch import load_file
+
+    if getattr(model.config, "quantization_config", None) is not None:
+        raise ValueError(f"model: {str(path)!r} is pre-quantized (its config.json has a quantization_config); this "
+                         "loader reads float weights: load it with minirt.LLM or minirt.quant.load_fp8_checkpoint")
 
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
@@ -132,16 +137,13 @@ def load_model(model: str | os.PathLike, device: torch.device | str | None = Non
     model: a local directory or a Hugging Face hub id. device: None = CUDA if available else CPU.
     dtype: `torch.dtype` or name; None = float32 on the CPU, bfloat16 on a GPU.
     Returns `(model, tokenizer)`; tokenizer is None when the checkpoint has no tokenizer files.
-    Raises FileNotFoundError for a missing checkpoint, ValueError for unsupported architectures, mismatched
-    weights or a pre-quantized checkpoint (chapter 10's `minirt.quant` loads those).
+    Raises FileNotFoundError for a missing checkpoint, ValueError for unsupported architectures or
+    mismatched weights.
     """
     path = resolve_checkpoint(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
     config = load_config(path)
-    if getattr(config, "quantization_config", None) is not None:      # weights + scales, not float weights
-        raise ValueError(f"model: {str(model)!r} is pre-quantized (its config.json has a quantization_config); this "
-                         "loader reads float weights: load it with minirt.LLM or minirt.quant.load_fp8_checkpoint")
     with torch.device("meta"):
         net = DecoderModel(config)
     net = net.to_empty(device=device).to(dtype)

@@ -16,8 +16,9 @@ Two ways to a model whose decoder linears are `QuantizedLinear`:
   and each quantized layer `<layer>` holds `<layer>.weight` (float8_e4m3fn, `[N, K]`) and
   `<layer>.weight_scale_inv` (float32, `[ceil(N/128), ceil(K/128)]`; despite the name it multiplies: W ~ weight *
   weight_scale_inv). Without `weight_block_size` the scale is one per tensor (shape `[]`), which loads here as
-  the same scale for every output channel. Which layers are quantized is what the tensors say (a layer with a
-  `weight_scale_inv`); `modules_to_not_convert` names the others. `activation_scheme: "dynamic"` means the
+  the same scale for every output channel; vLLM's per-tensor FP8 checkpoints name it `<layer>.weight_scale`, read
+  too. Which layers are quantized is what the tensors say (a layer with a scale); `modules_to_not_convert` names
+  the others. `activation_scheme: "dynamic"` means the
   activations carry no stored scale: weight-only here, per-token scales computed at run time by FP8 GEMMs.
 
 `save_fp8_checkpoint` writes that format from a float checkpoint (tests and chapter 10 build their FP8 checkpoints
@@ -37,7 +38,7 @@ import torch
 from torch import nn
 
 from minirt.model.decoder import DecoderModel
-from minirt.model.loader import load_config, resolve_checkpoint, resolve_device, resolve_dtype
+from minirt.model.loader import load_config, load_tokenizer, resolve_checkpoint, resolve_device, resolve_dtype
 from minirt.quant.formats import METHODS, dequantize, quantize, scale_shape
 from minirt.quant.linear import QuantizedLinear
 
@@ -131,6 +132,15 @@ def _tensor_files(path: Path) -> dict[str, str]:
     return index
 
 
+def scale_name(index, module: str, block_size: int | None) -> str | None:
+    """The name of `module`'s weight scale in the checkpoint, or None for a float layer: `weight_scale_inv`
+    (transformers' FineGrainedFP8 and DeepSeek's name), or with one scale per tensor also `weight_scale` (vLLM's)."""
+    for suffix in ("weight_scale_inv",) if block_size is not None else ("weight_scale_inv", "weight_scale"):
+        if f"{module}.{suffix}" in index:
+            return f"{module}.{suffix}"
+    return None
+
+
 def _read(index: dict[str, str], name: str) -> torch.Tensor:
     from safetensors import safe_open
 
@@ -160,8 +170,6 @@ def load_fp8_checkpoint(model: str | os.PathLike, device: torch.device | str | N
     a quantized weight that is not float8_e4m3fn, a scale whose shape does not match its weight and block size, or
     a tensor the model does not have; FileNotFoundError for a missing checkpoint.
     """
-    from minirt.model.loader import load_tokenizer
-
     path = resolve_checkpoint(model)
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -175,7 +183,7 @@ def load_fp8_checkpoint(model: str | os.PathLike, device: torch.device | str | N
     with torch.device("meta"):                # nothing allocated until `to_empty` on the device
         net = DecoderModel(config)
         for name, linear in list(net.named_modules()):
-            if is_decoder_linear(name) and f"{name}.weight_scale_inv" in index:
+            if is_decoder_linear(name) and scale_name(index, name, block_size) is not None:
                 parent, attr = name.rsplit(".", 1)
                 setattr(net.get_submodule(parent), attr,
                         QuantizedLinear(linear.in_features, linear.out_features, method, block_size,
@@ -207,18 +215,18 @@ def _load_fp8_tensors(net: DecoderModel, index: dict[str, str], block_size: int 
         for name in index:
             if "rotary_emb" in name:
                 continue
-            if name.endswith(".weight_scale_inv"):
-                continue                                  # read with its weight
             module = name.rsplit(".", 1)[0]
-            scale_name = f"{module}.weight_scale_inv"
+            key = scale_name(index, module, block_size)
+            if name == key:
+                continue                                  # read with its weight
             tensor = _read(index, name)
-            if name.endswith(".weight") and scale_name in index:
+            if name.endswith(".weight") and key is not None:
                 if tensor.dtype != torch.float8_e4m3fn:
-                    raise ValueError(f"weights: {name!r} has a weight_scale_inv, so it must be float8_e4m3fn, "
-                                     f"got {tensor.dtype}")
-                scale = _read(index, scale_name).float()
+                    raise ValueError(f"weights: {name!r} has a {key.rsplit('.', 1)[1]}, so it must be "
+                                     f"float8_e4m3fn, got {tensor.dtype}")
+                scale = _read(index, key).float()
                 if block_size is None:
-                    scale = _per_channel(scale, tensor.shape[0], scale_name)
+                    scale = _per_channel(scale, tensor.shape[0], key)
                 if module in quantized:
                     layer = quantized[module]
                     new = QuantizedLinear.from_quantized(tensor, scale, block_size)   # checks the scale's shape
@@ -226,11 +234,11 @@ def _load_fp8_tensors(net: DecoderModel, index: dict[str, str], block_size: int 
                     layer.weight_scale.copy_(new.weight_scale)
                     loaded.update((f"{module}.weight", f"{module}.weight_scale"))
                     continue
-                tensor = dequantize(tensor, _check_scale(scale, tensor, block_size, scale_name), block_size)
+                tensor = dequantize(tensor, _check_scale(scale, tensor, block_size, key), block_size)
             if name not in targets:
                 raise ValueError(f"weights: unexpected tensor {name!r} in {os.path.basename(index[name])}")
             if tensor.dtype == torch.float8_e4m3fn:
-                raise ValueError(f"weights: {name!r} is float8_e4m3fn but has no {scale_name!r}")
+                raise ValueError(f"weights: {name!r} is float8_e4m3fn but has no {module + '.weight_scale_inv'!r}")
             targets[name].copy_(tensor)
             loaded.add(name)
     missing = set(targets) - loaded
