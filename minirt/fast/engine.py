@@ -36,10 +36,26 @@ class FastEngine(Engine):
 
     def build_scheduler(self):
         """Chapter 06's scheduler; with multi-step decode, `BurstScheduler`, which also grants (and allocates the
-        blocks of) bursts of decode steps."""
+        blocks of) bursts of decode steps; with speculative decoding, chapter 11's `SpeculativeScheduler`, which
+        schedules draft tokens as rows."""
+        if self.plan.speculative is not None:
+            from minirt.spec.engine import SpeculativeScheduler
+
+            return SpeculativeScheduler(self.config, self.pool, self.prefix_cache)
         if self.plan.num_scheduler_steps == 1:
             return super().build_scheduler()
         return BurstScheduler(self.config, self.pool, self.prefix_cache, self.plan.num_scheduler_steps)
+
+    #: The speculative step (`minirt.spec.engine.SpeculativeSteps`) where the plan's `speculative` is set.
+    speculation = None
+
+    def stats(self) -> dict:
+        """`Engine.stats`, with speculative decoding also its counts (`SpeculativeSteps.stats`: drafts verified,
+        their tokens, the tokens accepted)."""
+        stats = super().stats()
+        if self.speculation is not None:
+            stats.update(self.speculation.stats())
+        return stats
 
     def build_model_runner(self):
         """The plan's runner (`minirt.fast.runner.build_model_runner`); chapter 05's for the reference plan."""
@@ -50,7 +66,15 @@ class FastEngine(Engine):
     def choose_step(self):
         """`Engine.step` where the plan runs single steps; with `async_scheduling`, `AsyncSteps.step`; with
         multi-step decode, `BurstSteps.step` (or `BurstSteps.overlapped_step`, with overlap scheduling), whose
-        single steps are one of those two."""
+        single steps are one of those two; with speculative decoding (which the plan runs alone of these),
+        `SpeculativeSteps.step` (`minirt.spec.engine`), kept in `speculation`."""
+        if self.plan.speculative is not None:
+            from minirt.spec.engine import SpeculativeSteps
+            from minirt.spec.proposer import build_proposer
+
+            self.speculation = SpeculativeSteps(self, build_proposer(self), self.plan.num_speculative_tokens,
+                                                self.plan.speculative_max_batch)
+            return self.speculation.step
         async_steps = AsyncSteps(self) if self.plan.async_scheduling else None
         if self.plan.num_scheduler_steps == 1:
             return self.step if async_steps is None else async_steps.step

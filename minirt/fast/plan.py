@@ -83,11 +83,17 @@ class Plan:
     silu_and_mul_kernel: bool = False
     rotary_cache: bool = False
     argmax_in_gemv: bool = False
+    # chapter 11 (`minirt.spec`): the drafter (None: no speculation), k, and the running batch above which a step
+    # drafts nothing (decoding that many rows is no longer bound by reading the weights: verifying costs more)
+    speculative: str | None = None
+    num_speculative_tokens: int = 0
+    speculative_max_batch: int = 0
 
     @property
     def is_reference(self) -> bool:
-        """True when nothing of chapter 07 runs: the engine is the chapters 00-06 reference, unchanged."""
-        return self == Plan()
+        """True when nothing of chapter 07 runs: the model and its runner are the chapters 00-06 reference (and so is
+        the engine, unless `speculative` is set: then chapter 11's scheduler and step run over them)."""
+        return dataclasses.replace(self, speculative=None, num_speculative_tokens=0, speculative_max_batch=0) == Plan()
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -163,6 +169,28 @@ def _bursts(r: _Resolution) -> list[str]:
     return [_Off("num_scheduler_steps > 1", r.why_off["num_scheduler_steps"])]
 
 
+def _no_speculation(r: _Resolution) -> list[str]:
+    """What multi-step decode, overlap and async scheduling lack under speculative decoding: steps whose rows are
+    known before the step runs (a verification's accepted length is known only after it)."""
+    if not r.on["speculative"]:
+        return []
+    return ["speculative=None (speculative decoding is on: a verification's accepted length is known only after it)"]
+
+
+def _speculation_in_one_process(r: _Resolution) -> list[str]:
+    """What speculative decoding lacks under chapter 09's tensor-parallel runner (its ranks run single-token steps
+    with no verification rows and no rollback)."""
+    tp = r.tensor_parallel_size
+    return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks verify no drafts)"]
+
+
+#: Speculation drafts only while the running batch times k+1 stays within this many tokens per step: below it a
+#: step's time is the weights' read, nearly the same for k+1 rows as for one; above it the rows' compute takes
+#: over (a GEMM over ~128+ rows of a 0.6B model on the H200), and each rejected row is time lost (vLLM's
+#: `disable_by_batch_size` turns speculation off by batch size the same way).
+SPECULATIVE_MAX_TOKENS = 128
+
+
 RULES: tuple[Rule, ...] = (
     # attention_backend is one field and two rows: "flash_attn" (minirt.fast.flash_attn), then "triton".
     # auto keeps minirt's Triton kernel: with split-KV it decodes faster than flash-attn-4, which has no split-KV
@@ -184,8 +212,19 @@ RULES: tuple[Rule, ...] = (
     Rule("merge_projections", "merged projections", lambda r: [], _cuda, "on CUDA"),
     Rule("gemv", "the Triton matrix-vector kernel", lambda r: [*r.hw.triton, *_one_process(r)], _graphs,
          "with CUDA graphs"),
-    Rule("num_scheduler_steps", "multi-step decode", _one_process, lambda r: 8 if _graphs(r) else 1,
-         "8 with CUDA graphs, else 1"),
+    # Chapter 11. The plan's `speculative` holds the drafter's name; verification steps (k+1 rows per request) run
+    # through the piecewise graphs where those are on, else eagerly, and steps without drafts replay the decode
+    # graphs: no graph is captured per k.
+    Rule("speculative", "speculative decoding", _speculation_in_one_process, lambda r: False, "never (asked for by name only)",
+         asked=lambda v: v is not None),
+    Rule("num_speculative_tokens", "draft tokens", lambda r: r.need("speculative"),
+         lambda r: 4, "4 with speculative decoding"),
+    Rule("speculative_max_batch", "drafting", lambda r: r.need("speculative"),
+         lambda r: max(1, SPECULATIVE_MAX_TOKENS // (r.on["num_speculative_tokens"] + 1)),
+         f"while the running batch x (k+1) <= {SPECULATIVE_MAX_TOKENS} tokens", field="speculative",
+         asked=lambda v: None),
+    Rule("num_scheduler_steps", "multi-step decode", lambda r: _one_process(r) + _no_speculation(r),
+         lambda r: 8 if _graphs(r) else 1, "8 with CUDA graphs, else 1"),
     Rule("norm_in_gemv", "the GEMV's norm prologue", lambda r: r.need("gemv", "merge_projections"),
          lambda r: True, "with gemv and merged projections"),
     Rule("rotary_kernel", "the Triton kernel", lambda r: [*r.hw.triton, *r.hw.head_dim], _graphs,
@@ -201,14 +240,15 @@ RULES: tuple[Rule, ...] = (
          lambda r: True, "with PDL and split-KV Triton attention"),
     Rule("l2_prefetch", "the bulk prefetch into L2", lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections")],
          lambda r: bool(r.on["pdl"]), "with the GEMV kernel, merged projections and PDL"),
-    Rule("overlap_scheduling", "launching the next burst before taking this one's tokens", _bursts, lambda r: True,
+    Rule("overlap_scheduling", "launching the next burst before taking this one's tokens",
+         lambda r: _no_speculation(r) + _bursts(r), lambda r: True,
          "with multi-step decode"),
     Rule("piecewise_graphs", "piecewise CUDA graphs for steps with prefill chunks", lambda r: r.need("cuda_graphs"),
          lambda r: True, "with CUDA graphs"),
     # auto: on with piecewise graphs (benchmarks/results/h200/ab-async-scheduling.json: throughput and TTFT both
     # better, once the sampler no longer made each launch wait for the step it launched).
     Rule("async_scheduling", "launching a step with prefill chunks before taking the tokens of the one before",
-         _one_process, lambda r: bool(r.on["piecewise_graphs"]), "with piecewise CUDA graphs"),
+         lambda r: _one_process(r) + _no_speculation(r), lambda r: bool(r.on["piecewise_graphs"]), "with piecewise CUDA graphs"),
     Rule("silu_and_mul_kernel", "the Triton SiLU-and-multiply kernel", lambda r: list(r.hw.triton), _cuda,
          "on CUDA where Triton runs"),
     Rule("rotary_cache", "cos and sin looked up per position", lambda r: [], _cuda, "on CUDA"),
@@ -253,4 +293,7 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
     flash = values.pop("flash_attn")
     values["attention_backend"] = "flash_attn" if flash else "triton" if values["attention_backend"] else "torch"
     values["num_scheduler_steps"] = int(values["num_scheduler_steps"]) or 1       # off: single steps
+    values["speculative"] = config.speculative if values["speculative"] else None
+    values["num_speculative_tokens"] = int(values["num_speculative_tokens"])
+    values["speculative_max_batch"] = int(values["speculative_max_batch"])
     return Plan(**values)
