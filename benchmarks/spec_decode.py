@@ -157,10 +157,10 @@ def summarize(rows: list[dict], base: list[dict], new_tokens: int) -> dict:
     }
 
 
-def measure(prompts: list[str], ks, new_tokens: int, warmup: str) -> tuple[dict, dict]:
+def measure(prompts: list[str], drafters, ks, new_tokens: int, warmup: str) -> tuple[dict, dict]:
     """(settings -> per-prompt rows, settings -> engine kwargs) over the interleaved rounds described above."""
     configs = {"plain": {}}
-    for drafter in DRAFTERS:
+    for drafter in drafters:
         for k in ks:
             configs[f"{drafter}-k{k}"] = {"speculative": drafter, "num_speculative_tokens": k}
     params = minirt.SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
@@ -184,6 +184,7 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="4 prompts, 16 new tokens, k in {1, 4}: a smoke run")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (OMP), the same for all")
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--drafters", default=",".join(DRAFTERS), help="comma-separated: ngram,draft")
     parser.add_argument("--prompts", default=str(PROMPTS_FILE))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cpu"))
     parser.add_argument("--write-prompts", action="store_true", help="rebuild the prompts file from --sdist, stop")
@@ -203,7 +204,8 @@ def main(argv=None) -> int:
         prompts, ks, new_tokens = prompts[:4], (1, 4), 16
     warmup = "ROMEO.\nBut soft, what light through yonder window breaks?\n"
     start = time.perf_counter()
-    rows, configs = measure(prompts, ks, new_tokens, warmup)
+    drafters = args.drafters.split(",")
+    rows, configs = measure(prompts, drafters, ks, new_tokens, warmup)
     wall = time.perf_counter() - start
     base = rows["plain"]
     report = report_header(torch.device("cpu"))
@@ -220,7 +222,7 @@ def main(argv=None) -> int:
                   "tpot_ms_p75": percentile([r["tpot_s"] * 1e3 for r in base], 0.75),
                   "tokens_per_target_forward": len(base) * (new_tokens - 1) / sum(r["forwards"] for r in base)},
         "results": {drafter: {str(k): summarize(rows[f"{drafter}-k{k}"], base, new_tokens) for k in ks}
-                    for drafter in DRAFTERS},
+                    for drafter in drafters},
     })
     print(f"batch 1, greedy, {len(prompts)} held-out prompts, {new_tokens} new tokens, "
           f"{torch.get_num_threads()} thread(s); plain TPOT {report['plain']['tpot_ms_median']:.2f} ms (median)")

@@ -114,7 +114,7 @@ def make_requests(llm, batch: int, context: int, new_tokens: int, seed: int) -> 
 
 def step_fn(llm, requests: list[Request], new_tokens: int):
     """The step to time: a decode step (new_tokens 1: the runner's forward and sampler) or a verify step (every
-    row's hidden state, the LM head over all of them, their argmax)."""
+    row's hidden state, the logits of all of them, their argmax: `SpeculativeSteps.verify`'s forward)."""
     runner = llm.engine.model_runner
     items = [(r, new_tokens) for r in requests]
     if new_tokens == 1:
@@ -126,7 +126,7 @@ def step_fn(llm, requests: list[Request], new_tokens: int):
     def verify():
         step = runner.prepare_lists(items)
         step.sample_rows = list(range(len(step.input_ids)))      # every drafted position and the one after
-        return runner.model.lm_head(runner.forward(step)).argmax(dim=-1)
+        return runner.model.compute_logits(runner.forward(step)).argmax(dim=-1)   # as SpeculativeSteps.verify
     return torch.inference_mode()(verify)
 
 
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
         "workload": {"context_tokens": context, "batches": batches, "ks": ks, "iters": iters,
                      "token_budget": TOKEN_BUDGET, "timing": "CUDA events" if device.type == "cuda" else "perf_counter",
                      "step": "k = 0: decode (runner.forward + sampler); k >= 1: verify (runner.forward with every "
-                             "row sampled, LM head, argmax)"},
+                             "row sampled, compute_logits, argmax: SpeculativeSteps.verify's forward)"},
         "step_ms": steps, "ratio_to_decode": ratio, "draft_model": draft,
         "speedup_bound_batch1": speedup_bounds(args.acceptance, ratio.get("1", {}), draft_cost),
     })
