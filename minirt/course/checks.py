@@ -1522,6 +1522,284 @@ def ex09_vocab_parallel_embedding() -> Spec:
     return Spec(reference, cases, run=drive, extra=lambda rng: [seeded(j, rng) for j in (1, 2, 3)])
 
 
+# ============================================================================== ex11: speculative decoding
+
+
+def chi_square_pvalue(observed, expected) -> float:
+    """Pearson's chi-square test of counts `observed` against probabilities `expected` (same shape): the
+    probability of a statistic at least this large if the counts were drawn from `expected`. Cells expecting
+    fewer than 5 draws are pooled into one; a draw in a cell of probability 0 gives 0.0. The tail of the
+    chi-square law is the regularized upper incomplete gamma function: P(X >= x) = Q(df / 2, x / 2)."""
+    obs = torch.as_tensor(observed, dtype=torch.float64).flatten().cpu()
+    prob = torch.as_tensor(expected, dtype=torch.float64).flatten().cpu()
+    if bool((obs[prob <= 0] > 0).any()):
+        return 0.0
+    exp = prob * obs.sum()
+    big, small = exp >= 5, (exp > 0) & (exp < 5)
+    o, e = obs[big], exp[big]
+    if bool(small.any()):
+        o, e = torch.cat([o, obs[small].sum()[None]]), torch.cat([e, exp[small].sum()[None]])
+    if len(e) < 2:
+        return 1.0
+    stat = ((o - e) ** 2 / e).sum()
+    return float(torch.special.gammaincc(torch.tensor((len(e) - 1) / 2, dtype=torch.float64), stat / 2))
+
+
+def speculative_outcome_probs(draft_probs: torch.Tensor, target_probs: torch.Tensor) -> torch.Tensor:
+    """`[k+1, V]`: the probability that speculative sampling accepts exactly j drafts and emits token y last,
+    when draft i is drawn from draft_probs[i] (one-hot rows: a fixed draft) and scored by target_probs[i].
+
+    Draft i is accepted with probability beta_i = sum(min(p_i, q_i)) (Leviathan et al. 2023, section 3.3), the
+    correction after j acceptances is norm(max(0, p_j - q_j)) and the bonus after k is p_k, so
+    P(j, y) = beta_0 ... beta_{j-1} * max(0, p_j(y) - q_j(y)) for j < k, and beta_0 ... beta_{k-1} * p_k(y)."""
+    p, q = target_probs.double().cpu(), draft_probs.double().cpu()
+    k = q.shape[0]
+    beta = torch.minimum(p[:k], q).sum(-1)
+    reach = torch.cat([torch.ones(1, dtype=torch.float64), beta.cumprod(0)])
+    last = torch.cat([(p[:k] - q).clamp(min=0), p[k:]])
+    return reach[:, None] * last
+
+
+_SPEC_PVALUE = 1e-6        # an honest implementation fails one distribution case about once in a million
+
+
+def _draft_rows(draft_probs, draft: list[int], V: int, dev) -> torch.Tensor:
+    if draft_probs is not None:
+        return draft_probs
+    return torch.nn.functional.one_hot(torch.tensor(draft, dtype=torch.long), V).to(torch.float32).to(dev)
+
+
+def _emitted_problem(out, draft: list[int], V: int) -> str | None:
+    """Why `out` is not a valid result of one speculative step for `draft` (None if it is)."""
+    if not isinstance(out, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+        return f"expected a list of Python ints, got {_short(out, 80)}"
+    if not 1 <= len(out) <= len(draft) + 1:
+        return f"returned {len(out)} tokens {out}: one step emits 1 to k + 1 = {len(draft) + 1}"
+    if out[:-1] != draft[:len(out) - 1]:
+        return f"returned {out}: all tokens but the last must be the draft's first ones ({draft})"
+    if not 0 <= out[-1] < V:
+        return f"returned {out}: token {out[-1]} is outside the vocabulary [0, {V})"
+    return None
+
+
+def _spec_distribution(f, inputs) -> dict:
+    """Run `f` over `draws` seeded generators (a fresh draft from q each time, or the fixed draft) and test what
+    it emits against the closed forms. Every value is "ok" for a correct implementation."""
+    p, q, fixed, draws, seed = inputs
+    dev, V, k = p.device, p.shape[1], p.shape[0] - 1
+    drafts_gen = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(k + 1, V, dtype=torch.float64)
+    first = torch.zeros(V, dtype=torch.float64)
+    shape = "ok"
+    for s in range(draws):
+        draft = fixed if q is None else [int(torch.multinomial(q[i].cpu(), 1, generator=drafts_gen)) for i in range(k)]
+        out = f(list(draft), q, p, torch.Generator(device=dev).manual_seed(seed * 100003 + s))
+        problem = _emitted_problem(out, draft, V)
+        if problem:
+            shape = f"draw {s}, draft {draft}: {problem}"
+            break
+        counts[len(out) - 1, out[-1]] += 1
+        first[out[0]] += 1
+    same = "ok"
+    for s in range(8):
+        draft = fixed if q is None else [0] * k
+        runs = []
+        for global_seed in (1, 2):
+            torch.manual_seed(global_seed)
+            runs.append(f(list(draft), q, p, torch.Generator(device=dev).manual_seed(seed + s)))
+        if runs[0] != runs[1]:
+            same = (f"generator seeded {seed + s} gave {runs[0]}, then {runs[1]} under another torch.manual_seed: "
+                    "draw every random number from `generator`")
+            break
+    result = {"every draw returns the accepted drafts, then one token": shape,
+              "the same generator seed gives the same tokens": same}
+    if shape != "ok":
+        return {**result, "first token ~ p_0": "not tested", "(accepted, last token) ~ closed form": "not tested"}
+    want_first = p[0].double().cpu()
+    pv = chi_square_pvalue(first, want_first)
+    result["first token ~ p_0"] = "ok" if pv > _SPEC_PVALUE else (
+        f"first tokens {[round(x, 3) for x in (first / draws).tolist()]} over {draws} draws against "
+        f"p_0 = {[round(x, 3) for x in want_first.tolist()]}: "
+        f"chi-square p-value {pv:.2g}")
+    joint = speculative_outcome_probs(_draft_rows(q, fixed, V, dev), p)
+    pv = chi_square_pvalue(counts, joint)
+    accepted, want = counts.sum(1) / draws, joint.sum(1)
+    result["(accepted, last token) ~ closed form"] = "ok" if pv > _SPEC_PVALUE else (
+        f"drafts accepted 0..k: {[round(x, 3) for x in accepted.tolist()]} against "
+        f"{[round(x, 3) for x in want.tolist()]} (with the last token: chi-square p-value {pv:.2g})")
+    return result
+
+
+@_task
+def ex11_greedy_accept() -> Spec:
+    """Check `greedy_accept(draft [k], target_argmax [k+1]) -> list[int]` (the longest matching prefix, then the
+    target's own token)."""
+    from minirt.spec.acceptance import greedy_accept as reference
+
+    def case(name, draft, target):
+        return Case(name, lambda: (list(draft), list(target)), f"draft={draft}, target_argmax={target}")
+
+    def random_case(j, rng):
+        k, V = rng.randint(0, 8), rng.randint(2, 4)
+        target = [rng.randrange(V) for _ in range(k + 1)]
+        cut = rng.randint(0, k)
+        draft = target[:cut] + [rng.randrange(V) for _ in range(k - cut)]
+        return case(f"random case {j}" if j > 0 else f"seeded case {-j}", draft, target)
+
+    rng = _rng(111)
+    cases = [
+        case("no drafts (k = 0): the target's own token", [], [7]),
+        case("all 3 drafts accepted, then the bonus token", [5, 9, 2], [5, 9, 2, 4]),
+        case("the first draft rejected: the target's token only", [5, 9, 2], [6, 9, 2, 4]),
+        case("rejected in the middle", [5, 9, 2, 8], [5, 9, 3, 8, 1]),
+        case("the last draft rejected", [5, 9, 2], [5, 9, 1, 4]),
+        case("a match after a mismatch does not count", [1, 2, 3, 4], [1, 7, 3, 4, 5]),
+        case("repeated tokens", [3, 3, 3, 3], [3, 3, 3, 3, 3]),
+        case("k = 1, accepted", [0], [0, 0]),
+        case("target_argmax of length k -> ValueError", [1, 2], [1, 2]),
+        case("target_argmax of length k + 2 -> ValueError", [1], [1, 2, 3]),
+    ] + [random_case(j, rng) for j in range(1, 5)]
+    return Spec(reference, cases, extra=lambda rng: [random_case(-j, rng) for j in (1, 2, 3)])
+
+
+def _onehot_rows(tokens: list[int], V: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(tokens, dtype=torch.long), V).to(torch.float32).to(device())
+
+
+def _probs(seed: int, rows: int, V: int, zero: list[tuple[int, int]] = ()) -> torch.Tensor:
+    """`[rows, V]` seeded distributions, skewed (uniform draws cubed), optionally zero at (row, token)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.rand(rows, V, generator=g) + 0.1) ** 3
+    for r, t in zero:
+        w[r, t] = 0.0
+    return (w / w.sum(-1, keepdim=True)).to(device())
+
+
+@_task
+def ex11_rejection_sample() -> Spec:
+    """Check `rejection_sample(draft [k], draft_probs [k, V] | None, target_probs [k+1, V], generator) -> list[int]`:
+    exact results where the rule leaves nothing to chance, then the distribution of what it emits over thousands of
+    seeded generators (chi-square tests against p_0 and against the closed form; p-value threshold 1e-6)."""
+    from minirt.sampling import probs_after_filters
+    from minirt.spec.acceptance import rejection_sample as reference
+
+    def run(f, inputs):
+        mode, rest = inputs
+        if mode == "exact":
+            draft, q, p, seed = rest
+            return f(list(draft), q, p, torch.Generator(device=p.device).manual_seed(seed))
+        return _spec_distribution(f, rest)
+
+    def exact(name, draft, q, p, seed=0, show=""):
+        return Case(name, lambda: ("exact", (list(draft), q() if q else None, p(), seed)),
+                    f"draft={draft}, {show}")
+
+    def dist(name, p, q, fixed, draws, seed, show):
+        return Case(name, lambda: ("distribution", (p(), q() if q else None, fixed, draws, seed)),
+                    f"{show}; {draws} draws, each with torch.Generator().manual_seed(...) of its own")
+
+    V = 5
+    mixed = lambda: _probs(3, 3, V)                                                  # noqa: E731
+    filtered = lambda: torch.stack([probs_after_filters(_randn(6, seed=40 + i), 0.8, 4, 0.95)  # noqa: E731
+                                    for i in range(3)])
+    cases = [
+        exact("no drafts (k = 0): one token from a one-hot p_0", [], None, lambda: _onehot_rows([3], V),
+              show="draft_probs=None, target_probs one-hot at [3]"),
+        exact("no drafts, draft_probs of shape [0, V]", [], lambda: torch.zeros(0, V, device=device()),
+              lambda: _onehot_rows([1], V), show="draft_probs [0, 5], target_probs one-hot at [1]"),
+        exact("every p_i(x_i) >= q_i(x_i): all accepted, then the bonus token", [1, 2, 0],
+              lambda: _probs(5, 3, V), lambda: torch.cat([_onehot_rows([1, 2, 0], V), _onehot_rows([4], V)]),
+              show="q random, target_probs one-hot at [1, 2, 0, 4]"),
+        exact("p_0(x_0) = 0: rejected at once, the residual holds one token", [2, 2],
+              lambda: _probs(6, 2, V), lambda: _onehot_rows([4, 2, 0], V), show="q random, p one-hot at [4, 2, 0]"),
+        exact("q_1(x_1) = 0 < p_1(x_1): accepted (min(1, p/q) = 1)", [1, 3],
+              lambda: _probs(7, 2, V, zero=[(1, 3)]), lambda: torch.cat([_onehot_rows([1], V), _probs(8, 1, V),
+                                                                          _onehot_rows([2], V)]),
+              show="q_1(3) = 0, p_0 one-hot at 1, p_1 random, p_2 one-hot at 2"),
+        exact("draft_probs None, one-hot target (greedy): the longest matching prefix", [3, 1, 4, 1], None,
+              lambda: _onehot_rows([3, 1, 0, 1, 2], V), show="draft_probs=None, p one-hot at [3, 1, 0, 1, 2]"),
+        exact("draft_probs None, the target certain of every draft: k + 1 tokens", [0, 4], None,
+              lambda: _onehot_rows([0, 4, 4], V), show="draft_probs=None, p one-hot at [0, 4, 4]"),
+        dist("a drafter with its own q (k = 2, V = 5)", mixed, lambda: _probs(4, 2, V), None, 3000, 11,
+             "p [3, 5] and q [2, 5] random"),
+        dist("draft_probs None: a fixed draft (k = 3, V = 5)", lambda: _probs(9, 4, V), None, [2, 0, 3], 3000, 12,
+             "draft=[2, 0, 3], draft_probs=None, p [4, 5] random"),
+        dist("q puts mass where p has none and p where q has none (k = 2, V = 5)",
+             lambda: _probs(13, 3, V, zero=[(0, 1), (1, 4)]), lambda: _probs(14, 2, V, zero=[(0, 3), (1, 0)]), None,
+             3000, 13, "p_0(1) = p_1(4) = 0, q_0(3) = q_1(0) = 0"),
+        dist("a target after temperature 0.8, top-k 4, top-p 0.95 (k = 2, V = 6)", filtered,
+             lambda: _probs(15, 2, 6), None, 3000, 14, "p = probs_after_filters(logits, 0.8, 4, 0.95) per row"),
+    ]
+
+    def seeded(j, rng):
+        k, V = rng.randint(1, 3), rng.randint(3, 5)
+        a, b, seed = rng.randrange(10**6), rng.randrange(10**6), rng.randrange(10**4)
+        if rng.random() < 0.5:
+            fixed = [rng.randrange(V) for _ in range(k)]
+            return dist(f"seeded case {j}", lambda: _probs(a, k + 1, V), None, fixed, 2000, seed,
+                        f"draft={fixed}, draft_probs=None, p [{k + 1}, {V}] random")
+        return dist(f"seeded case {j}", lambda: _probs(a, k + 1, V), lambda: _probs(b, k, V), None, 2000, seed,
+                    f"p [{k + 1}, {V}] and q [{k}, {V}] random")
+    return Spec(reference, cases, run=run, extra=lambda rng: [seeded(j, rng) for j in (1, 2)])
+
+
+@_task
+def ex11_rollback_block_table() -> Spec:
+    """Check `rollback_block_table(block_table, pool, num_tokens, block_size) -> list[int]` on a `minirt.kv.BlockPool`:
+    what it returns, the table after it, every block's ref_count, the free list in order and the cached blocks."""
+    from minirt.kv.block_pool import BlockPool
+    from minirt.kv.prefix_cache import PrefixCache
+    from minirt.spec.rollback import rollback_block_table as reference
+
+    def run(f, inputs):
+        num_blocks, table, shared, hashed, num_tokens, B = inputs
+        pool = BlockPool(num_blocks)
+        for _ in range(num_blocks):
+            pool.allocate()
+        for b in range(num_blocks):
+            if b not in table:
+                pool.release(b)                    # the free list: the blocks outside the table, in id order
+        for b in shared:
+            pool.acquire(b)                        # another request holds these too (a prefix-cache hit)
+        if hashed:
+            PrefixCache(pool, B).register(list(range(hashed * B)), table, hashed * B, 0)
+        mine = list(table)
+        returned = f(mine, pool, num_tokens, B)
+        return {"returned": returned, "block_table": mine, "ref_counts": [b.ref_count for b in pool.blocks],
+                "num_free_blocks": pool.num_free_blocks, "free list, oldest first": list(pool.free),
+                "cached blocks": sorted(pool.cached.values())}
+
+    def case(name, num_blocks, table, num_tokens, B, shared=(), hashed=0):
+        show = (f"BlockPool({num_blocks}), block_table={table}, num_tokens={num_tokens}, block_size={B}"
+                + (f", blocks {list(shared)} shared (ref_count 2)" if shared else "")
+                + (f", the first {hashed} block(s) in the prefix cache" if hashed else ""))
+        return Case(name, lambda: (num_blocks, list(table), list(shared), hashed, num_tokens, B), show)
+
+    def random_case(name, rng):
+        B, n = rng.choice([1, 2, 4, 16]), rng.randint(1, 6)
+        num_blocks = n + rng.randint(0, 4)
+        table = rng.sample(range(num_blocks), n)
+        shared = rng.sample(table, rng.randint(0, min(2, n)))
+        return case(name, num_blocks, table, rng.randint(0, n * B), B, shared, rng.randint(0, n - 1))
+
+    rng = _rng(113)
+    cases = [
+        case("nothing rejected: every block kept", 6, [2, 0, 4], 12, 4),
+        case("the kept tokens end inside the last block: kept", 6, [2, 0, 4], 10, 4),
+        case("block boundary B: the block after it released", 6, [1, 3], 4, 4),
+        case("block boundary B-1", 6, [1, 3], 3, 4),
+        case("block boundary B+1", 6, [1, 3, 5], 5, 4),
+        case("several whole blocks released, last block first", 8, [7, 1, 6, 2, 5], 3, 4),
+        case("num_tokens = 0: every block released", 4, [3, 0], 0, 4),
+        case("a shared block (ref_count 2) is released, not freed", 6, [0, 1, 2], 4, 4, shared=[1, 2]),
+        case("a shared prefix-cached block kept; the cache untouched", 6, [4, 1, 2], 5, 4, shared=[4], hashed=1),
+        case("block_size 1", 6, [5, 4, 3, 2], 2, 1),
+        case("block_size 16, a draft run across a block boundary", 4, [2, 3], 15, 16, hashed=0),
+        case("num_tokens < 0 -> ValueError", 4, [0], -1, 4),
+    ] + [random_case(f"random case {j}", rng) for j in range(1, 4)]
+    return Spec(reference, cases, run=run, extra=lambda rng: [random_case(f"seeded case {j}", rng) for j in (1, 2, 3)])
+
+
 # ============================================================================== registry
 
 TASKS: dict[str, Callable[[Callable], None]] = {
@@ -1546,6 +1824,9 @@ TASKS: dict[str, Callable[[Callable], None]] = {
     "ex09.column_parallel": ex09_column_parallel,
     "ex09.row_parallel": ex09_row_parallel,
     "ex09.vocab_parallel_embedding": ex09_vocab_parallel_embedding,
+    "ex11.greedy_accept": ex11_greedy_accept,
+    "ex11.rejection_sample": ex11_rejection_sample,
+    "ex11.rollback_block_table": ex11_rollback_block_table,
 }
 # minirt's own implementation of each task ("module:qualname"): handing one in, or calling it, is not a
 # solution; the grader scores it 0 (`minirt.course.provenance`).
@@ -1571,6 +1852,9 @@ REFERENCE_NAMES: dict[str, tuple[str, ...]] = {
     "ex09.column_parallel": ("minirt.parallel.sharding:column_parallel",),
     "ex09.row_parallel": ("minirt.parallel.sharding:RowParallelLinear",),
     "ex09.vocab_parallel_embedding": ("minirt.parallel.sharding:VocabParallelEmbedding",),
+    "ex11.greedy_accept": ("minirt.spec.acceptance:greedy_accept",),
+    "ex11.rejection_sample": ("minirt.spec.acceptance:rejection_sample",),
+    "ex11.rollback_block_table": ("minirt.spec.rollback:rollback_block_table",),
 }
 
 # ============================================================================== seeded extra cases (the grader's)
@@ -1679,5 +1963,6 @@ def extra_cases(task_id: str, seed: int, spec: Spec | None = None) -> list[Case]
 
 
 __all__ = ["CheckFailed", "Case", "REFERENCE_NAMES", "RemoteError", "SPECS", "Spec", "TASKS", "compare",
-           "reference_outcome", "SimulatedAllReduce", "ToyTokenizer", "device", "run_check", "simulate_ranks", "tiny_model",
+           "reference_outcome", "SimulatedAllReduce", "ToyTokenizer", "chi_square_pvalue", "device", "run_check", "simulate_ranks",
+           "speculative_outcome_probs", "tiny_model",
            *(name.replace(".", "_") for name in TASKS)]
