@@ -19,10 +19,10 @@ Every request has `--context` tokens in the KV cache before the step (their K/V 
 attention does not depend on the values). Timed with CUDA events after a warm-up (medians of `--iters`; on the CPU
 `time.perf_counter`). Steps of more than the engine's token budget (8192) are skipped, as the scheduler would split
 them. Then the batch-1 speedup bound at the acceptance measured on the CPU (`--acceptance`, spec-decode.json):
-tokens per target step over the step's cost in decode steps, E / (ratio_k + k * c), with E both the i.i.d. model's
-(1 - a^(k+1)) / (1 - a) at the measured acceptance a and the tokens per target forward measured there, and c the
-draft's cost per drafted token in target decode steps: 0 for n-gram lookup (a host-side search of microseconds),
-the shipped draft model's own decode step (measured here the same way, batch 1) over the target's for "draft".
+tokens per target step over the step's cost in decode steps, E / (ratio_k + d_k), with E both the i.i.d. model's
+(1 - a^(k+1)) / (1 - a) at the measured acceptance a and the tokens per target forward measured there, and d_k the
+cost of drafting k tokens in batch-1 decode steps, measured here too: the n-gram lookup (`propose_ngram` on the
+host) and the shipped draft model's `DraftModelProposer.propose` (its own eager runner and KV cache).
 
 Writes `spec-verify.json` (with the commit measured) to `--out` (default benchmarks/results/h200, cpu-quick: none
 unless --out is given).
@@ -160,23 +160,48 @@ def measure_steps(llm, timer: Timer, batches, ks, context: int) -> dict:
     return out
 
 
-def speedup_bounds(acceptance_file: Path, ratio_b1: dict, draft_cost: float | None) -> dict:
-    """Per drafter and k measured on the CPU: E (i.i.d. model and measured) over the step's cost in decode steps."""
+def measure_drafting(device: torch.device, dtype, timer: Timer, context: int, ks) -> dict:
+    """What drafting k tokens for one request costs, per k >= 1: the n-gram lookup (`propose_ngram` over the
+    request's `context` tokens, on the host, `time.perf_counter`) and the shipped draft model's proposer
+    (`DraftModelProposer.propose`, its own runner and KV cache, after it has caught up on the context: each call
+    feeds the request's last token again, then one forward per further draft token; timed as the target's steps)."""
+    from minirt.spec import DRAFT_MODEL, DraftModelProposer, propose_ngram
+
+    ks = [k for k in ks if k >= 1]
+    host = Timer(torch.device("cpu"), timer.iters, timer.warmup)
+    proposer = DraftModelProposer(None, device, dtype, num_blocks=-(-(context + max(ks) + 1) // 16) + 4)
+    g = torch.Generator().manual_seed(7)
+    ids = torch.randint(proposer.vocab_size, (context,), generator=g).tolist()
+    request = Request("draft", None, ids, SamplingParams(max_new_tokens=1, ignore_eos=True), frozenset())
+    proposer.propose([request], [1])                                     # catch up on the context (its prefill)
+    out = {"draft_model": os.path.relpath(DRAFT_MODEL, ROOT), "ngram": {}, "draft": {}}
+    for k in ks:
+        out["ngram"][str(k)] = host(lambda: propose_ngram(ids, k))
+        out["draft"][str(k)] = timer(lambda: proposer.propose([request], [k]))
+        print(f"drafting k {k:3d}: ngram {out['ngram'][str(k)]['median_ms']:.3f} ms, draft model "
+              f"{out['draft'][str(k)]['median_ms']:.3f} ms", flush=True)
+    return out
+
+
+def speedup_bounds(acceptance_file: Path, ratio_b1: dict, draft_cost: dict) -> dict:
+    """Per drafter and k measured on the CPU: E (the i.i.d. model's at the measured acceptance, and the measured
+    tokens per forward) over the step's cost in decode steps: verify ratio + drafting cost (`draft_cost[drafter][k]`,
+    in batch-1 decode steps)."""
     if not acceptance_file.exists():
         return {"note": f"{acceptance_file} not found: no bound at a measured acceptance"}
     measured = json.loads(acceptance_file.read_text())
-    bounds = {"source": {"file": os.path.relpath(acceptance_file, ROOT), "commit": measured.get("commit")},
-              "draft_cost_per_token": {"ngram": 0.0, "draft": draft_cost}}
+    bounds = {"source": {"file": os.path.relpath(acceptance_file, ROOT), "commit": measured.get("commit")}}
     for drafter, by_k in measured["results"].items():
-        c = bounds["draft_cost_per_token"].get(drafter)
         bounds[drafter] = {}
         for k, r in by_k.items():
-            a, tpf = r["acceptance_rate"], r["tokens_per_target_forward"]
-            if c is None or k not in ratio_b1 or ratio_b1[k] is None:
+            c = draft_cost.get(drafter, {}).get(k)
+            if c is None or ratio_b1.get(k) is None:
                 continue
-            cost = ratio_b1[k] + int(k) * c
+            a, tpf = r["acceptance_rate"], r["tokens_per_target_forward"]
+            cost = ratio_b1[k] + c
             iid = None if a is None else (int(k) + 1 if a >= 1 else (1 - a ** (int(k) + 1)) / (1 - a))
-            bounds[drafter][k] = {"acceptance_rate": a, "tokens_per_target_forward": tpf, "cost_in_decode_steps": cost,
+            bounds[drafter][k] = {"acceptance_rate": a, "tokens_per_target_forward": tpf, "verify_ratio": ratio_b1[k],
+                                  "draft_cost_in_decode_steps": c, "cost_in_decode_steps": cost,
                                   "bound_iid": None if iid is None else iid / cost, "bound_measured": tpf / cost}
     return bounds
 
@@ -215,15 +240,10 @@ def main(argv=None) -> int:
     ratio = {b: {k: None if t is None else t["median_ms"] / row["0"]["median_ms"] for k, t in row.items()}
              for b, row in steps.items()}
 
-    draft = {"note": "minirt.spec.DRAFT_MODEL not found"}
-    draft_cost = None
-    draft_path = getattr(__import__("minirt.spec", fromlist=["x"]), "DRAFT_MODEL", None)
-    if draft_path and os.path.isdir(draft_path):
-        dllm = engine_for(str(draft_path), device, dtype, [1], context, [0])
-        t = measure_steps(dllm, timer, [1], [0], context)["1"]["0"]
-        del dllm
-        draft_cost = t["median_ms"] / steps["1"]["0"]["median_ms"] if "1" in steps else None
-        draft = {"path": "minirt/draft_model", "decode_step": t, "cost_per_token_in_target_steps": draft_cost}
+    drafting = measure_drafting(device, dtype, timer, context, ks)
+    decode_b1 = steps["1"]["0"]["median_ms"] if "1" in steps else None
+    draft_cost = {} if decode_b1 is None else {
+        drafter: {k: t["median_ms"] / decode_b1 for k, t in drafting[drafter].items()} for drafter in ("ngram", "draft")}
 
     report = report_header(device)
     report.update({
@@ -242,7 +262,7 @@ def main(argv=None) -> int:
         "ratio_to_decode_inputs_built_before": {
             b: {k: None if t is None else t["inputs_built_before_ms"] / row["0"]["inputs_built_before_ms"]
                 for k, t in row.items()} for b, row in steps.items()},
-        "draft_model": draft,
+        "drafting_ms": drafting, "drafting_in_batch1_decode_steps": draft_cost,
         "speedup_bound_batch1": speedup_bounds(args.acceptance, ratio.get("1", {}), draft_cost),
     })
     print(f"\nverify step / decode step (context {context}, medians of {iters})")
