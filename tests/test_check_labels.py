@@ -177,6 +177,23 @@ RULES = [
     ("ex06.schedule", r"^budget of one token", lambda m, i, o: i[0]["max_num_batched_tokens"] == 1),
     ("ex07.combine_splits", r"empty splits", _empty_splits),
     ("ex07.combine_splits", r"^one split", lambda m, i, o: i[1].shape[-1] == 1),
+    ("ex11.greedy_accept", r"^no drafts \(k = 0\)", lambda m, i, o: i[0] == [] and o[1] == i[1]),
+    ("ex11.greedy_accept", r"^all (\d+) drafts accepted", lambda m, i, o: len(i[0]) == int(m.group(1))
+     and o[1] == i[1]),
+    ("ex11.greedy_accept", r"^the first draft rejected", lambda m, i, o: o[1] == i[1][:1] != i[0][:1]),
+    ("ex11.greedy_accept", r"^the last draft rejected", lambda m, i, o: len(o[1]) == len(i[0]) and o[1][-1] != i[0][-1]),
+    ("ex11.rejection_sample", r"^no drafts", lambda m, i, o: i[1][0] == [] and len(o[1]) == 1),
+    ("ex11.rejection_sample", r"all accepted, then the bonus token", lambda m, i, o: o[1][:-1] == i[1][0]),
+    ("ex11.rejection_sample", r"rejected at once", lambda m, i, o: len(o[1]) == 1 and o[1][0] != i[1][0][0]),
+    ("ex11.rejection_sample", r"^draft_probs None", lambda m, i, o: i[1][1] is None),
+    ("ex11.rejection_sample", r"\(k = (\d+), V = (\d+)\)", lambda m, i, o: i[0] == "distribution"
+     and tuple(i[1][0].shape) == (int(m.group(1)) + 1, int(m.group(2)))),
+    ("ex11.rollback_block_table", r"^block boundary B([+-]1)?$",
+     lambda m, i, o: i[4] == i[5] + {None: 0, "-1": -1, "+1": 1}[m.group(1)]),
+    ("ex11.rollback_block_table", r"^nothing rejected", lambda m, i, o: o[1]["returned"] == []),
+    ("ex11.rollback_block_table", r"every block released", lambda m, i, o: o[1]["block_table"] == [] and i[1]),
+    ("ex11.rollback_block_table", r"shared block \(ref_count 2\) is released, not freed",
+     lambda m, i, o: any(o[1]["ref_counts"][b] == 1 for b in o[1]["returned"])),
 ]
 
 

@@ -42,7 +42,8 @@ def _nbval():
 def test_six_exercises_with_at_least_two_graded_tasks_each():
     import nbformat
     names = [p.name for p in SOLUTIONS]
-    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09"], names
+    assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09",
+                                     "ex11"], names
     assert [p.name for p in EXERCISES] == names
     for path in SOLUTIONS:
         nb = nbformat.read(path, as_version=4)
@@ -173,6 +174,9 @@ REFERENCES = {
     "ex09.column_parallel": "minirt.parallel.sharding:column_parallel",
     "ex09.row_parallel": "minirt.parallel.sharding:RowParallelLinear",
     "ex09.vocab_parallel_embedding": "minirt.parallel.sharding:VocabParallelEmbedding",
+    "ex11.greedy_accept": "minirt.spec.acceptance:greedy_accept",
+    "ex11.rejection_sample": "minirt.spec.acceptance:rejection_sample",
+    "ex11.rollback_block_table": "minirt.spec.rollback:rollback_block_table",
 }
 
 
@@ -417,6 +421,33 @@ def _vocab_embedding_without_the_mask():                     # others' ids read 
     return NoMask
 
 
+def _greedy_accept_counting_every_match(draft, target):       # keeps matches after the first mismatch
+    if len(target) != len(draft) + 1:
+        raise ValueError("target_argmax")
+    return [x for x, t in zip(draft, target) if x == t] + [target[-1]]
+
+
+def _rejection_sample_residual_from_p(draft, draft_probs, target_probs, generator):
+    """At a rejection, draws from p itself instead of max(0, p - q): the first token is no longer ~ p_0."""
+    from minirt.spec.acceptance import rejection_sample
+
+    out = rejection_sample(draft, draft_probs, target_probs, generator)
+    if len(out) <= len(draft):
+        out[-1] = int(torch.multinomial(target_probs[len(out) - 1], 1, generator=generator))
+    return out
+
+
+def _rollback_releasing_first_block_first(block_table, pool, num_tokens, block_size):
+    if num_tokens < 0:
+        raise ValueError("num_tokens")
+    keep = -(-num_tokens // block_size)
+    released = block_table[keep:]
+    for b in released:                                                 # front first: the free list's order differs
+        pool.release(b)
+    del block_table[keep:]
+    return released
+
+
 WRONG = [
     ("ex01.greedy_next_token", lambda logits: logits.shape[-1] - 1 - logits.flip(-1).argmax(-1), "tie"),
     ("ex01.naive_generate",
@@ -444,6 +475,9 @@ WRONG = [
     ("ex09.column_parallel", _column_parallel_strided, "two ranks"),
     ("ex09.row_parallel", _row_parallel_bias_on_every_rank(), "two ranks, bias"),
     ("ex09.vocab_parallel_embedding", _vocab_embedding_without_the_mask(), "two ranks"),
+    ("ex11.greedy_accept", _greedy_accept_counting_every_match, "the first draft rejected"),
+    ("ex11.rejection_sample", _rejection_sample_residual_from_p, "first token ~ p_0"),
+    ("ex11.rollback_block_table", _rollback_releasing_first_block_first, "last block first"),
 ]
 
 

@@ -22,6 +22,7 @@ import contextlib
 import copy
 import io
 import logging
+import numbers
 import random
 import warnings
 from dataclasses import dataclass
@@ -1571,8 +1572,10 @@ def _draft_rows(draft_probs, draft: list[int], V: int, dev) -> torch.Tensor:
 
 def _emitted_problem(out, draft: list[int], V: int) -> str | None:
     """Why `out` is not a valid result of one speculative step for `draft` (None if it is)."""
-    if not isinstance(out, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in out):
+    if not isinstance(out, (list, tuple)) or not all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                                                      for t in out):
         return f"expected a list of Python ints, got {_short(out, 80)}"
+    out = [int(t) for t in out]
     if not 1 <= len(out) <= len(draft) + 1:
         return f"returned {len(out)} tokens {out}: one step emits 1 to k + 1 = {len(draft) + 1}"
     if out[:-1] != draft[:len(out) - 1]:
@@ -1598,8 +1601,8 @@ def _spec_distribution(f, inputs) -> dict:
         if problem:
             shape = f"draw {s}, draft {draft}: {problem}"
             break
-        counts[len(out) - 1, out[-1]] += 1
-        first[out[0]] += 1
+        counts[len(out) - 1, int(out[-1])] += 1
+        first[int(out[0])] += 1
     same = "ok"
     for s in range(8):
         draft = fixed if q is None else [0] * k
@@ -1737,9 +1740,9 @@ def ex11_rejection_sample() -> Spec:
         if rng.random() < 0.5:
             fixed = [rng.randrange(V) for _ in range(k)]
             return dist(f"seeded case {j}", lambda: _probs(a, k + 1, V), None, fixed, 2000, seed,
-                        f"draft={fixed}, draft_probs=None, p [{k + 1}, {V}] random")
+                        f"draft={fixed}, draft_probs=None, p [{k + 1}, {V}] random (seed {a})")
         return dist(f"seeded case {j}", lambda: _probs(a, k + 1, V), lambda: _probs(b, k, V), None, 2000, seed,
-                    f"p [{k + 1}, {V}] and q [{k}, {V}] random")
+                    f"p [{k + 1}, {V}] and q [{k}, {V}] random (seeds {a}, {b})")
     return Spec(reference, cases, run=run, extra=lambda rng: [seeded(j, rng) for j in (1, 2)])
 
 
