@@ -203,12 +203,12 @@ def main(argv=None) -> int:
     if args.quick:
         prompts, ks, new_tokens = prompts[:4], (1, 4), 16
     warmup = "ROMEO.\nBut soft, what light through yonder window breaks?\n"
+    report = report_header(torch.device("cpu"))      # the commit measured, read before the run
     start = time.perf_counter()
     drafters = args.drafters.split(",")
     rows, configs = measure(prompts, drafters, ks, new_tokens, warmup)
     wall = time.perf_counter() - start
     base = rows["plain"]
-    report = report_header(torch.device("cpu"))
     report["device"]["num_threads"] = torch.get_num_threads()
     report.update({
         "model": {"name": "minirt default model", "path": "minirt/default_model"},

@@ -230,6 +230,7 @@ def main(argv=None) -> int:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     timer = Timer(device, iters)
+    report = report_header(device)                   # the commit measured, read before the run
 
     with tempfile.TemporaryDirectory() as tmp:
         path = build_checkpoint(tmp, config, device)
@@ -245,7 +246,6 @@ def main(argv=None) -> int:
     draft_cost = {} if decode_b1 is None else {
         drafter: {k: t["median_ms"] / decode_b1 for k, t in drafting[drafter].items()} for drafter in ("ngram", "draft")}
 
-    report = report_header(device)
     report.update({
         "model": {"name": "Qwen3-0.6B configuration, random weights" if not quick_cpu else
                   "Qwen3 cut down (2 layers, hidden 256, vocab 4096), random weights", "config": config,
