@@ -225,7 +225,8 @@ def main(argv=None) -> int:
     if 0 not in ks:
         ks = [0] + ks
     iters = args.iters or (5 if args.quick else 30)
-    out_dir = args.out or (None if quick_cpu else str(ROOT / "benchmarks" / "results" / device.type.replace("cuda", "h200")))
+    machine = device.type.replace("cuda", "h200")
+    out_dir = args.out or (None if quick_cpu else str(ROOT / "benchmarks" / "results" / machine))
     config = SMALL if quick_cpu else QWEN3_0_6B
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -244,7 +245,8 @@ def main(argv=None) -> int:
     drafting = measure_drafting(device, dtype, timer, context, ks)
     decode_b1 = steps["1"]["0"]["median_ms"] if "1" in steps else None
     draft_cost = {} if decode_b1 is None else {
-        drafter: {k: t["median_ms"] / decode_b1 for k, t in drafting[drafter].items()} for drafter in ("ngram", "draft")}
+        drafter: {k: t["median_ms"] / decode_b1 for k, t in drafting[drafter].items()}
+        for drafter in ("ngram", "draft")}
 
     report.update({
         "model": {"name": "Qwen3-0.6B configuration, random weights" if not quick_cpu else
@@ -253,9 +255,10 @@ def main(argv=None) -> int:
         "plan": None if plan is None else {f: getattr(plan, f) for f in plan.__dataclass_fields__},
         "workload": {"context_tokens": context, "batches": batches, "ks": ks, "iters": iters,
                      "token_budget": TOKEN_BUDGET, "timing": "CUDA events" if device.type == "cuda" else "perf_counter",
-                     "step": "median_ms: the whole step, its inputs built by the host inside the timing (as every single engine step "
-                             "does; the plain engine's multi-step bursts and async scheduling hide part of that at batch 1); "
-                             "inputs_built_before_ms: the same step with its inputs built once beforehand. k = 0: decode "
+                     "step": "median_ms: the whole step, its inputs built by the host inside the timing (as every "
+                             "single engine step does; the plain engine's multi-step bursts and async scheduling hide "
+                             "part of that at batch 1); inputs_built_before_ms: the same step with its inputs built "
+                             "once beforehand. k = 0: decode "
                              "(runner.forward + sampler); k >= 1: verify (runner.forward with every row sampled, "
                              "compute_logits, argmax: SpeculativeSteps.verify's forward)"},
         "step_ms": steps, "ratio_to_decode": ratio,
@@ -272,7 +275,8 @@ def main(argv=None) -> int:
     bounds = report["speedup_bound_batch1"]
     for drafter in ("ngram", "draft"):
         for k, r in bounds.get(drafter, {}).items():
-            print(f"{drafter:6s} k={k}: acceptance {r['acceptance_rate'] or 0:.2f}, cost {r['cost_in_decode_steps']:.2f} "
+            print(f"{drafter:6s} k={k}: acceptance {r['acceptance_rate'] or 0:.2f}, "
+                  f"cost {r['cost_in_decode_steps']:.2f} "
                   f"decode steps -> speedup bound {r['bound_measured']:.2f} (measured tokens/forward)")
     if out_dir:
         write_report(report, out_dir, "spec-verify" + ("-quick" if args.quick else ""))
