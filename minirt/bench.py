@@ -139,6 +139,7 @@ def run_minirt(llm, prompts: list[list[int]], n: int, device: torch.device) -> t
 
     comm = getattr(llm.engine.model_runner, "comm", None)       # tensor parallelism: its collectives' clock
     comm_s, steps = (comm.seconds if comm else 0.0), llm.engine.num_steps
+    spec_before = speculation_counts(llm.engine)
     sync(device)
     start = time.perf_counter()
     outs = llm.generate(prompts, SamplingParams(max_new_tokens=n, ignore_eos=True))
@@ -148,10 +149,32 @@ def run_minirt(llm, prompts: list[list[int]], n: int, device: torch.device) -> t
     if bad:
         raise RuntimeError(f"minirt: {len(bad)} requests did not generate {n} tokens: {bad[:3]}")
     figures = {**summarize(outs, wall), "how": "RequestOutput.metrics"}
+    figures.update(speculation_figures(spec_before, speculation_counts(llm.engine)))
     if comm is not None and comm.timed:
         steps = llm.engine.num_steps - steps
         figures.update(steps=steps, step_s=wall / steps, collective_s_per_step=(comm.seconds - comm_s) / steps)
     return figures, [o.token_ids for o in outs]
+
+
+def speculation_counts(engine) -> dict | None:
+    """The speculative step's counts so far (`minirt.spec.engine.SpeculativeSteps.stats`), None without it."""
+    speculation = getattr(engine, "speculation", None)
+    return None if speculation is None else speculation.stats()
+
+
+def speculation_figures(before: dict | None, after: dict | None) -> dict:
+    """A run's speculative figures from the counts before and after it: drafts verified, draft tokens, accepted
+    tokens, the acceptance rate (accepted / drafted) and the tokens per target forward (tokens a request got per
+    forward that sampled it, drafts or not; 1.0 without speculation). Empty without speculation."""
+    if after is None:
+        return {}
+    d = {k: after[k] - before[k] for k in after}
+    return {"spec_drafts": d["spec_num_drafts"], "spec_draft_tokens": d["spec_num_draft_tokens"],
+            "spec_accepted_tokens": d["spec_num_accepted_tokens"],
+            "acceptance_rate": d["spec_num_accepted_tokens"] / d["spec_num_draft_tokens"]
+            if d["spec_num_draft_tokens"] else None,
+            "tokens_per_target_forward": d["spec_num_emitted_tokens"] / d["spec_num_target_forwards"]
+            if d["spec_num_target_forwards"] else None}
 
 
 def hf_generate(model, prompts: list[list[int]], n: int, device: torch.device, max_batch: int | None = None
@@ -423,6 +446,11 @@ def format_report(report: dict) -> str:
                    "collectives" for w, systems in report["results"].items()
                    for fig in [systems.get("minirt", {})] if "collective_s_per_step" in fig]
     table += "".join(f"\nminirt {line}" for line in collectives)
+    speculation = [f"{w}: acceptance rate {fig['acceptance_rate'] or 0:.2f} of {fig['spec_draft_tokens']} draft "
+                   f"tokens, {fig['tokens_per_target_forward']:.2f} tokens per target forward"
+                   for w, systems in report["results"].items()
+                   for fig in [systems.get("minirt", {})] if fig.get("tokens_per_target_forward")]
+    table += "".join(f"\nminirt speculative {line}" for line in speculation)
     return (f"{d['name']} ({d['type']}, {d['num_threads']} threads, load {d['load_average_1min']:.1f}); {m['name']}, "
             f"{report['settings']['dtype']}, {m['weight_bytes'] / 1e9:.3f} GB of weights\n"
             f"copy bandwidth (read + write): {report['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s\n"
@@ -473,6 +501,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="minirt's decode steps per schedule when all requests decode (default: 8 with CUDA graphs, else 1)")
     for name, what in ON_OFF_SWITCHES:
         p.add_argument("--" + name.replace("_", "-"), choices=["auto", "on", "off"], default="auto", help=what)
+    p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
+                   help="minirt with speculative decoding (chapter 11): n-gram prompt lookup or the draft model")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=None,
+                   help="draft tokens per step with --speculative (default: 4)")
+    p.add_argument("--speculative-model", default=None, help="the draft checkpoint (default: minirt's draft model)")
     return p
 
 
@@ -518,6 +551,9 @@ def engine_kwargs_of(args) -> dict:
         kwargs["num_scheduler_steps"] = args.num_scheduler_steps
     if args.tensor_parallel_size != 1:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
+    for name in ("speculative", "num_speculative_tokens", "speculative_model"):
+        if getattr(args, name) is not None:
+            kwargs[name] = getattr(args, name)
     return kwargs
 
 

@@ -4,7 +4,8 @@
 loads, so that a switch that cannot run is refused by name first. Then it builds what the plan says: its runner
 (`build_model_runner`: the plan's fast modules swapped into the model, its attention kernels and CUDA graphs,
 `minirt.fast.runner`), its scheduler (`minirt.fast.multi_step.BurstScheduler` with multi-step decode) and its step
-(`choose_step`: bursts of decode steps, overlap and async scheduling). `Engine.step`, the step chapter 05 shows, is
+(`choose_step`: bursts of decode steps, overlap and async scheduling; with the plan's `speculative`, chapter 11's
+scheduler and step, `minirt.spec.engine`). `Engine.step`, the step chapter 05 shows, is
 never replaced; the step the loop runs is stored apart, in `step_fn` (as vLLM v1 keeps `step` and its `step_fn`).
 """
 
@@ -37,11 +38,11 @@ class FastEngine(Engine):
     def build_scheduler(self):
         """Chapter 06's scheduler; with multi-step decode, `BurstScheduler`, which also grants (and allocates the
         blocks of) bursts of decode steps; with speculative decoding, chapter 11's `SpeculativeScheduler`, which
-        schedules draft tokens as rows."""
+        schedules draft tokens as rows (and grants bursts to the steps that draft nothing)."""
         if self.plan.speculative is not None:
             from minirt.spec.engine import SpeculativeScheduler
 
-            return SpeculativeScheduler(self.config, self.pool, self.prefix_cache)
+            return SpeculativeScheduler(self.config, self.pool, self.prefix_cache, self.plan.num_scheduler_steps)
         if self.plan.num_scheduler_steps == 1:
             return super().build_scheduler()
         return BurstScheduler(self.config, self.pool, self.prefix_cache, self.plan.num_scheduler_steps)
@@ -66,8 +67,9 @@ class FastEngine(Engine):
     def choose_step(self):
         """`Engine.step` where the plan runs single steps; with `async_scheduling`, `AsyncSteps.step`; with
         multi-step decode, `BurstSteps.step` (or `BurstSteps.overlapped_step`, with overlap scheduling), whose
-        single steps are one of those two; with speculative decoding (which the plan runs alone of these),
-        `SpeculativeSteps.step` (`minirt.spec.engine`), kept in `speculation`."""
+        single steps are one of those two; with speculative decoding (which the plan runs without overlap and async
+        scheduling), `SpeculativeSteps.step` (`minirt.spec.engine`; bursts in the steps that draft nothing), kept in
+        `speculation`."""
         if self.plan.speculative is not None:
             from minirt.spec.engine import SpeculativeSteps
             from minirt.spec.proposer import build_proposer

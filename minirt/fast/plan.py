@@ -170,8 +170,8 @@ def _bursts(r: _Resolution) -> list[str]:
 
 
 def _no_speculation(r: _Resolution) -> list[str]:
-    """What multi-step decode, overlap and async scheduling lack under speculative decoding: steps whose rows are
-    known before the step runs (a verification's accepted length is known only after it)."""
+    """What overlap and async scheduling lack under speculative decoding: steps whose rows are known before the one
+    before has been taken (a verification's accepted length is known only after it)."""
     if not r.on["speculative"]:
         return []
     return ["speculative=None (speculative decoding is on: a verification's accepted length is known only after it)"]
@@ -223,8 +223,9 @@ RULES: tuple[Rule, ...] = (
          lambda r: max(1, SPECULATIVE_MAX_TOKENS // (r.on["num_speculative_tokens"] + 1)),
          f"while the running batch x (k+1) <= {SPECULATIVE_MAX_TOKENS} tokens", field="speculative",
          asked=lambda v: None),
-    Rule("num_scheduler_steps", "multi-step decode", lambda r: _one_process(r) + _no_speculation(r),
-         lambda r: 8 if _graphs(r) else 1, "8 with CUDA graphs, else 1"),
+    # (with speculation, bursts run in the steps that draft nothing: a batch above speculative_max_batch)
+    Rule("num_scheduler_steps", "multi-step decode", _one_process, lambda r: 8 if _graphs(r) else 1,
+         "8 with CUDA graphs, else 1"),
     Rule("norm_in_gemv", "the GEMV's norm prologue", lambda r: r.need("gemv", "merge_projections"),
          lambda r: True, "with gemv and merged projections"),
     Rule("rotary_kernel", "the Triton kernel", lambda r: [*r.hw.triton, *r.hw.head_dim], _graphs,

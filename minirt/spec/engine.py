@@ -6,7 +6,8 @@ Each engine step (`SpeculativeSteps.step`, which `minirt.fast.FastEngine.choose_
 
 1. **draft**: the drafter (`minirt.spec.proposer`) proposes up to k tokens for each running request, while the
    running batch is at most the plan's `speculative_max_batch` (above it a step drafts nothing: verifying k+1 rows
-   of every request costs more than it saves once the step is no longer bound by reading the weights);
+   of every request costs more than it saves once the step is no longer bound by reading the weights; with
+   multi-step decode in the plan such steps run as bursts, `minirt.fast.multi_step`);
 2. **schedule** (`SpeculativeScheduler.schedule`, chapter 06's rules): a running request with a draft of m tokens
    computes m+1 rows, its last token and the draft, positions `num_computed_tokens ..` (prefill-like rows of one
    sequence); the token budget counts them all. The last token's slot is made as chapter 06 makes a decode's
@@ -35,23 +36,25 @@ import time
 import torch
 
 from minirt.config import cdiv
+from minirt.fast.multi_step import BurstScheduler, BurstSteps
 from minirt.request import Request, RequestStatus
 from minirt.sampling import filter_logits
-from minirt.scheduler import ScheduledBatch, Scheduler, split_budget
+from minirt.scheduler import ScheduledBatch, split_budget
 from minirt.spec.acceptance import greedy_accept, rejection_sample
 from minirt.spec.proposer import Proposer
 from minirt.spec.rollback import rollback_block_table
 
 
-class SpeculativeScheduler(Scheduler):
-    """Chapter 06's scheduler, whose running requests compute their draft tokens as extra rows.
+class SpeculativeScheduler(BurstScheduler):
+    """Chapter 06's scheduler, whose running requests compute their draft tokens as extra rows; with `max_steps`
+    > 1 it also grants bursts of multi-step decode (`BurstScheduler`) to the steps that draft nothing.
 
     `drafts` maps a running request to its draft for the next `schedule` (the step fills it); `schedule` cuts each
     draft to what it schedules. `on_remove(request)` is called whenever a request leaves (finished, aborted,
     preempted): the drafter's `remove` hook."""
 
-    def __init__(self, config, pool, prefix_cache):
-        super().__init__(config, pool, prefix_cache)
+    def __init__(self, config, pool, prefix_cache, max_steps: int = 1):
+        super().__init__(config, pool, prefix_cache, max_steps)
         self.drafts: dict[Request, list[int]] = {}
         self.on_remove = None
 
@@ -120,20 +123,33 @@ class SpeculativeSteps:
     was scheduled, as `Engine.step` does. `proposer`: the drafter; `num_speculative_tokens`: k;
     `max_batch`: the running batch above which no step drafts. Counts, since the engine started: `num_drafts`
     (verified drafts, one per request and step), `num_draft_tokens` (their tokens), `num_accepted_tokens` (those the
-    acceptance rule kept, before stop checks)."""
+    acceptance rule kept, before stop checks), `num_target_forwards` (a request sampled in a step, draft or none)
+    and `num_emitted_tokens` (the tokens those gave, before stop checks): their ratio is the tokens per target
+    forward."""
 
     def __init__(self, engine, proposer: Proposer, num_speculative_tokens: int, max_batch: int):
         self.engine, self.proposer = engine, proposer
         self.k, self.max_batch = num_speculative_tokens, max_batch
+        #: With multi-step decode in the plan: the steps that draft nothing (a batch above `max_batch`) run as
+        #: `BurstSteps.step` runs them, bursts where the scheduler grants them, else `Engine.step`.
+        self.bursts = BurstSteps(engine) if engine.scheduler.max_steps > 1 else None
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
+        self.num_target_forwards = self.num_emitted_tokens = 0
         engine.scheduler.on_remove = proposer.remove
 
     def stats(self) -> dict:
         return {"spec_num_drafts": self.num_drafts, "spec_num_draft_tokens": self.num_draft_tokens,
-                "spec_num_accepted_tokens": self.num_accepted_tokens}
+                "spec_num_accepted_tokens": self.num_accepted_tokens, "spec_num_target_forwards":
+                self.num_target_forwards, "spec_num_emitted_tokens": self.num_emitted_tokens}
+
+    def drafting(self) -> bool:
+        """Whether this step drafts: some request runs, and at most `max_batch` do."""
+        return 0 < len(self.engine.scheduler.running_requests) <= self.max_batch
 
     def step(self) -> bool:
         engine, scheduler = self.engine, self.engine.scheduler
+        if self.bursts is not None and not self.drafting():
+            return self.bursts.step()
         try:
             self.draft()
             batch = scheduler.schedule()
@@ -150,9 +166,9 @@ class SpeculativeSteps:
     def draft(self) -> None:
         """Ask the drafter for each running request's draft (at most k, and fewer than the tokens it may still
         generate: the step emits up to one more), while the running batch is at most `max_batch`."""
-        running = self.engine.scheduler.running_requests
-        if not running or len(running) > self.max_batch:
+        if not self.drafting():
             return
+        running = self.engine.scheduler.running_requests
         limits = [min(self.k, r.params.max_new_tokens - r.num_output_tokens - 1) for r in running]
         wanted = [(r, k) for r, k in zip(running, limits) if k > 0]
         if not wanted:
@@ -219,6 +235,8 @@ class SpeculativeSteps:
                 if q is not None:
                     q = q[:m].to(probs[request].device)
                 emitted[request] = rejection_sample(draft, q, probs[request], request.generator)
+            self.num_target_forwards += 1
+            self.num_emitted_tokens += len(emitted[request])
             if m:
                 self.num_drafts += 1
                 self.num_draft_tokens += m
