@@ -135,10 +135,11 @@ def step_fns(llm, requests: list[Request], new_tokens: int):
     return (torch.inference_mode()(lambda: run(build())), torch.inference_mode()(lambda: run(built)))
 
 
-def engine_for(path: str, device: torch.device, dtype, batches, context: int, ks) -> "minirt.LLM":
+def engine_for(path: str, device: torch.device, dtype, batches, context: int, ks, **settings) -> "minirt.LLM":
     per_request = -(-(context + max(ks) + 1) // 16)
     return minirt.LLM(path, device=device, dtype=dtype, block_size=16, max_num_seqs=max(batches),
-                      num_kv_blocks=max(batches) * per_request + 1, enable_prefix_caching=False)
+                      num_kv_blocks=max(batches) * per_request + 1, enable_prefix_caching=False,
+                      **settings)
 
 
 def measure_steps(llm, timer: Timer, batches, ks, context: int) -> dict:
@@ -239,6 +240,12 @@ def main(argv=None) -> int:
         plan = getattr(llm.engine, "plan", None)
         steps = measure_steps(llm, timer, batches, ks, context)
         del llm
+        # The same steps with no CUDA graph anywhere: the decode step then runs the path the verify step runs, so
+        # the ratio is the rows' cost alone, apart from what graphs save on the decode step.
+        llm = engine_for(path, device, dtype, batches, context, ks, enforce_eager=True)
+        print("enforce_eager=True:", flush=True)
+        steps_eager = measure_steps(llm, timer, [b for b in batches if b <= 8], ks, context)
+        del llm
     ratio = {b: {k: None if t is None else t["median_ms"] / row["0"]["median_ms"] for k, t in row.items()}
              for b, row in steps.items()}
 
@@ -265,6 +272,9 @@ def main(argv=None) -> int:
         "ratio_to_decode_inputs_built_before": {
             b: {k: None if t is None else t["inputs_built_before_ms"] / row["0"]["inputs_built_before_ms"]
                 for k, t in row.items()} for b, row in steps.items()},
+        "step_ms_eager": steps_eager,
+        "ratio_to_decode_eager": {b: {k: None if t is None else t["median_ms"] / row["0"]["median_ms"]
+                                      for k, t in row.items()} for b, row in steps_eager.items()},
         "drafting_ms": drafting, "drafting_in_batch1_decode_steps": draft_cost,
         "speedup_bound_batch1": speedup_bounds(args.acceptance, ratio.get("1", {}), draft_cost),
     })
