@@ -63,7 +63,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("exercise", help="start an exercise in a work folder that git ignores")
     actions = p.add_subparsers(dest="action", required=True)
     s = actions.add_parser("start", help="copy exercises/exNN_*.ipynb into a work folder and say what to open")
-    s.add_argument("name", help="ex01 ... ex08 (or 1 ... 8)")
+    s.add_argument("name", help="ex01 ... ex11 (or 1 ... 11)")
     s.add_argument("--dir", default=None, help=f"work folder (default: {DEFAULT_WORK_DIR}/ at the checkout's root)")
     s.add_argument("--force", action="store_true", help="overwrite a copy that is already there")
     return p
