@@ -55,7 +55,8 @@ LABELS = {
     "argmax_in_gemv": "+ greedy argmax in the LM head",
 }
 #: A switch's `EngineConfig` value for off and for on, where it is not False and True.
-_OFF_VALUE = {"attention_backend": "torch", "enforce_eager": True, "num_scheduler_steps": 1}
+_OFF_VALUE = {"attention_backend": "torch", "enforce_eager": True, "num_scheduler_steps": 1, "speculative": None,
+              "num_speculative_tokens": None}
 _ON_VALUE = {"attention_backend": "triton", "enforce_eager": False, "num_scheduler_steps": 8}
 #: Switches that need programmatic dependent launch (a Hopper GPU): left out of the steps on an older one.
 NEEDS_PDL = ("pdl", "prefetch_kv", "l2_prefetch")
