@@ -43,7 +43,7 @@ def test_six_exercises_with_at_least_two_graded_tasks_each():
     import nbformat
     names = [p.name for p in SOLUTIONS]
     assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09",
-                                     "ex11"], names
+                                     "ex10", "ex11"], names
     assert [p.name for p in EXERCISES] == names
     for path in SOLUTIONS:
         nb = nbformat.read(path, as_version=4)
