@@ -142,6 +142,71 @@ def _empty_splits(m, inputs, outcome):
     return bool(torch.isinf(mx).any()) and not bool(torch.isinf(mx).all())
 
 
+MIN_SCALE = torch.tensor(1e-12, dtype=torch.float32)      # float32's nearest to minirt.quant.formats.MIN_SCALE
+
+
+def _grid(inputs, outcome):
+    """(weight in float32 as the check hands it in, weight / the reference's scale per row, the reference's q)."""
+    w = inputs[0].float()
+    return w, w / outcome[1]["scale"][:, None], outcome[1]["q"]
+
+
+def _zero_row(m, inputs, outcome):
+    w, _, q = _grid(inputs, outcome)
+    rows = (w == 0).all(1).nonzero().flatten().tolist()
+    return bool(rows) and all(outcome[1]["scale"][r] == MIN_SCALE and bool((q[r] == 0).all()) for r in rows)
+
+
+def _tiny_row(m, inputs, outcome):
+    w, _, q = _grid(inputs, outcome)
+    amax, qmax = w.abs().amax(1), {"int8": 127, "fp8": 448}[inputs[1]]
+    return any(abs(amax[r].item() - float(m.group(1))) <= 1e-6 * float(m.group(1)) and amax[r] / qmax < MIN_SCALE
+               and outcome[1]["scale"][r] == MIN_SCALE and bool((q[r] != 0).any()) for r in range(w.shape[0]))
+
+
+def _maps_to(m, inputs, outcome):
+    """Every "a -> b" of the label: the weights whose value over their scale is exactly a have q exactly b."""
+    _, grid, q = _grid(inputs, outcome)
+    pairs = re.findall(r"(?<![\w.])(-?\d+(?:\.\d+)?) -> (-?\d+)\b", m.string)
+    return bool(pairs) and all(bool((grid == float(a)).any()) and bool((q[grid == float(a)].float() == float(b)).all())
+                               for a, b in pairs)
+
+
+def _negative_extreme(m, inputs, outcome):
+    w, _, q = _grid(inputs, outcome)
+    at = w.abs().argmax(1)
+    return any(w[r, at[r]] < 0 and q[r, at[r]].item() == -int(m.group(1)) for r in range(w.shape[0]))
+
+
+def _outlier(m, inputs, outcome):
+    """A row whose largest magnitude is the outlier and the rest within 5 of the label's typical value; int8 rounds
+    the rest to 0 or +-1 (some +-1), e4m3 to zeros and subnormals (below 2^-6, some of each)."""
+    w, _, q = _grid(inputs, outcome)
+    for r in range(w.shape[0]):
+        top = w[r].abs().sort(descending=True).values
+        if top[0].item() == float(m.group(1)) and top[1].item() < 5 * float(m.group(2)):
+            others = q[r][w[r].abs() < top[0]].float()
+            if inputs[1] == "int8":
+                return bool((others.abs() <= 1).all()) and bool((others.abs() == 1).any())
+            return bool((others == 0).any()) and bool(((others != 0) & (others.abs() < 2.0 ** -6)).any())
+    return False
+
+
+def _unsaturated(m, inputs, outcome):
+    """Beyond e4m3's 448 before scaling; after it, every weight over its scale within +-448 (a float32 rounding
+    over at most), every q finite, and each row's largest magnitude at +-448."""
+    w, grid, q = _grid(inputs, outcome)
+    return 448 < w.abs().max().item() <= float(m.group(1)) and bool((grid.abs() <= 448 * (1 + 1e-6)).all()) and \
+        bool(q.isfinite().all()) and bool((q.float().abs().amax(1) == 448).all())
+
+
+def _zero_channel_gives_bias(m, inputs, outcome):
+    weight, bias, _, x, _ = inputs
+    rows = (weight == 0).all(1).nonzero().flatten().tolist()
+    out = outcome[1]["output"]
+    return bool(rows) and bias is not None and all(bool((out[..., r] == bias[r]).all()) for r in rows)
+
+
 # (task prefix, label pattern, predicate(match, inputs, reference outcome))
 RULES = [
     ("", r"-> (\w+Error)$", lambda m, i, o: _raised(o, m.group(1))),
@@ -177,6 +242,45 @@ RULES = [
     ("ex06.schedule", r"^budget of one token", lambda m, i, o: i[0]["max_num_batched_tokens"] == 1),
     ("ex07.combine_splits", r"empty splits", _empty_splits),
     ("ex07.combine_splits", r"^one split", lambda m, i, o: i[1].shape[-1] == 1),
+    ("ex10.quantize", r"^(int8|fp8): ", lambda m, i, o: i[1] == m.group(1)),
+    ("ex10.quantize", r"a \[(\d+), (\d+)\] weight by hand|random \[(\d+), (\d+)\]$",
+     lambda m, i, o: list(i[0].shape) == [int(g) for g in m.groups() if g]),
+    ("ex10.quantize", r"rows of very different magnitudes",
+     lambda m, i, o: i[0].abs().amax(1).max() >= 1e5 * i[0].abs().amax(1).min()),
+    ("ex10.quantize", r"the largest magnitude is negative: -amax -> -(\d+)$", _negative_extreme),
+    ("ex10.quantize", r"(?<![\w.])-?\d+(?:\.\d+)? -> -?\d+\b", _maps_to),
+    ("ex10.quantize", r"a zero row: scale MIN_SCALE, q all 0", _zero_row),
+    ("ex10.quantize", r"tiny values \(amax ([\d.e+-]+) < 127 \* MIN_SCALE\)", _tiny_row),
+    ("ex10.quantize", r"one outlier \(([\d.]+) among values ~([\d.]+)\)", _outlier),
+    ("ex10.quantize", r"beyond e4m3's 448 \(\|w\| up to ([\d.e+]+)\)", _unsaturated),
+    ("ex10.quantize", r"a bfloat16 weight", lambda m, i, o: i[0].dtype == torch.bfloat16),
+    ("ex10.quantize", r"one input channel \(K = 1\)", lambda m, i, o: i[0].shape[1] == 1),
+    ("ex10.quantize", r"a 1-D weight", lambda m, i, o: i[0].dim() == 1),
+    ("ex10.quantize", r"^method 'int4'", lambda m, i, o: (i[1] if len(i) == 3 else i[2]) == "int4"),
+    ("ex10.dequantize", r"^(int8|fp8): ", lambda m, i, o: i[2] == m.group(1)),
+    ("ex10.dequantize", r"a \[(\d+), (\d+)\] q by hand|random \[(\d+), (\d+)\]",
+     lambda m, i, o: list(i[0].shape) == [int(g) for g in m.groups() if g]),
+    ("ex10.dequantize", r"the extremes \+-127", lambda m, i, o: {127, -127} <= set(i[0].flatten().tolist())),
+    ("ex10.dequantize", r"\+-448 and the e4m3 subnormals \+-2\^-9",
+     lambda m, i, o: {448.0, -448.0, 2.0 ** -9, -(2.0 ** -9)} <= set(i[0].flatten().tolist())),
+    ("ex10.dequantize", r"a zero row with scale MIN_SCALE: exact zeros", lambda m, i, o: any(
+        i[1][r] == MIN_SCALE and bool((o[1][r] == 0).all()) for r in range(i[0].shape[0]))),
+    ("ex10.dequantize", r"every scale above 1", lambda m, i, o: bool((i[1] > 1).all())),
+    ("ex10.dequantize", r"one input channel \(K = 1\)", lambda m, i, o: i[0].shape[1] == 1),
+    ("ex10.dequantize", r"^scale of shape \[N, 1\]", lambda m, i, o: list(i[1].shape) == [i[0].shape[0], 1]),
+    ("ex10.dequantize", r"^scale of shape \[N \+ 1\]", lambda m, i, o: list(i[1].shape) == [i[0].shape[0] + 1]),
+    ("ex10.quantized_linear", r"^(int8|fp8), (no bias|bias)",
+     lambda m, i, o: i[2] == m.group(1) and (i[1] is None) == (m.group(2) == "no bias")),
+    ("ex10.quantized_linear", r"bfloat16: the output in bfloat16",
+     lambda m, i, o: i[0].dtype == i[3].dtype == o[1]["output"].dtype == torch.bfloat16),
+    ("ex10.quantized_linear", r"an all-zero output channel gives its bias", _zero_channel_gives_bias),
+    ("ex10.quantized_linear", r"x of shape \[K\]", lambda m, i, o: list(i[3].shape) == [i[0].shape[1]]),
+    ("ex10.quantized_linear", r"x \[(\d+), (\d+), K\] \(leading dims\)",
+     lambda m, i, o: list(i[3].shape) == [int(m.group(1)), int(m.group(2)), i[0].shape[1]]),
+    ("ex10.quantized_linear", r"random \[(\d+), (\d+)\], x \[(\d+), (\d+)\]",
+     lambda m, i, o: list(i[0].shape) + list(i[3].shape) == [int(g) for g in m.groups()]),
+    ("ex10", r"column-major \(non-contiguous\)", lambda m, i, o: i[-1] == "column-major"
+     and not checks._column_major(i[3] if len(i) == 5 else i[0]).is_contiguous()),
     ("ex11.greedy_accept", r"^no drafts \(k = 0\)", lambda m, i, o: i[0] == [] and o[1] == i[1]),
     ("ex11.greedy_accept", r"^all (\d+) drafts accepted", lambda m, i, o: len(i[0]) == int(m.group(1))
      and o[1] == i[1]),
@@ -238,3 +342,23 @@ def test_the_label_rules_catch_a_false_label(rows):
     bad.append((admit[0], admit[1], admit[2], ("ok", trace)))
     wrong, _ = labels_against_data(bad)
     assert len(wrong) == 2, wrong
+
+
+def test_the_quantization_rules_catch_false_labels(rows):
+    """Exercise 10's rules: a reference that rounded a halfway value away from zero, a zero row whose scale is 0
+    instead of MIN_SCALE, and a column-major case handed a contiguous weight contradict their labels."""
+    def find(part):
+        return next(r for r in rows if r[0] == "ex10.quantize" and part in r[1])
+
+    task, name, inputs, (kind, value) = find("halfway values round to even")
+    q = value["q"].clone()
+    q[0, 1] = 1                                            # 0.5 -> 1: away from zero
+    bad = [(task, name, inputs, (kind, {**value, "q": q}))]
+    task, name, inputs, (kind, value) = find("int8: a zero row")
+    scale = value["scale"].clone()
+    scale[(inputs[0] == 0).all(1)] = 0.0
+    bad.append((task, name, inputs, (kind, {**value, "scale": scale})))
+    task, name, inputs, outcome = find("int8: a column-major")
+    bad.append((task, name, (inputs[0], inputs[1], "row-major"), outcome))
+    wrong, _ = labels_against_data(bad)
+    assert len(wrong) == 3, wrong

@@ -43,7 +43,7 @@ def test_six_exercises_with_at_least_two_graded_tasks_each():
     import nbformat
     names = [p.name for p in SOLUTIONS]
     assert [n[:4] for n in names] == ["ex01", "ex02", "ex03", "ex04", "ex05", "ex06", "ex07", "ex08", "ex09",
-                                     "ex11"], names
+                                     "ex10", "ex11"], names
     assert [p.name for p in EXERCISES] == names
     for path in SOLUTIONS:
         nb = nbformat.read(path, as_version=4)
@@ -174,6 +174,10 @@ REFERENCES = {
     "ex09.column_parallel": "minirt.parallel.sharding:column_parallel",
     "ex09.row_parallel": "minirt.parallel.sharding:RowParallelLinear",
     "ex09.vocab_parallel_embedding": "minirt.parallel.sharding:VocabParallelEmbedding",
+    "ex10.quantize": "minirt.quant.formats:quantize",
+    "ex10.dequantize": "minirt.quant.formats:dequantize",
+    "ex10.quantized_linear": lambda linear, method: pkgutil.resolve_name(
+        "minirt.quant.linear:QuantizedLinear").from_linear(linear, method),
     "ex11.greedy_accept": "minirt.spec.acceptance:greedy_accept",
     "ex11.rejection_sample": "minirt.spec.acceptance:rejection_sample",
     "ex11.rollback_block_table": "minirt.spec.rollback:rollback_block_table",
@@ -448,6 +452,96 @@ def _rollback_releasing_first_block_first(block_table, pool, num_tokens, block_s
     return released
 
 
+_QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def _quantize_wrong(weight, method, *, per_tensor=False, truncate=False, qmax=None, half_away=False):
+    """Per-channel absmax quantization with one planted bug: `per_tensor` one scale for the whole weight (a row of
+    small weights loses its precision), `truncate` rounds toward zero, `qmax` divides amax by another grid size
+    (128: the int8 grid's -128 end, which a symmetric scheme never uses), `half_away` rounds halfway values away
+    from zero (Python 2's round, C's lround) instead of to even."""
+    if method not in _QMAX or weight.dim() != 2:
+        raise ValueError("method or weight")
+    w = weight.float()
+    amax = w.abs().amax().expand(w.shape[0]) if per_tensor else w.abs().amax(dim=1)
+    scale = (amax / (qmax or _QMAX[method])).clamp(min=1e-12)
+    x = w / scale[:, None]
+    if method == "fp8":
+        return x.clamp(-448, 448).to(torch.float8_e4m3fn), scale
+    x = x.trunc() if truncate else torch.sign(x) * torch.floor(x.abs() + 0.5) if half_away else x.round()
+    return x.clamp(-127, 127).to(torch.int8), scale
+
+
+def _quantize_without_min_scale(weight, method):
+    """A zero row's division guarded (0/0 -> 0), but no floor under the scale: a row of tiny weights gets a tiny
+    scale and its q spreads over the whole grid where the reference's stays near 0."""
+    if method not in _QMAX or weight.dim() != 2:
+        raise ValueError("method or weight")
+    w = weight.float()
+    scale = w.abs().amax(dim=1) / _QMAX[method]
+    x = torch.where(scale[:, None] > 0, w / scale[:, None], torch.zeros_like(w))
+    return (x.round().clamp(-127, 127).to(torch.int8) if method == "int8" else x.to(torch.float8_e4m3fn)), scale
+
+
+def _quantize_in_the_input_dtype(weight, method):
+    """Scales and divides in the weight's own dtype: bfloat16's 8-bit mantissa rounds w / scale before round()."""
+    if method not in _QMAX or weight.dim() != 2:
+        raise ValueError("method or weight")
+    scale = (weight.abs().amax(dim=1) / _QMAX[method]).clamp(min=1e-12)
+    x = weight / scale[:, None]
+    q = x.round().clamp(-127, 127).to(torch.int8) if method == "int8" else x.to(torch.float8_e4m3fn)
+    return q, scale.float()
+
+
+def _dequantize_in_bfloat16(q, scale):                       # the wrong dtype: the model's, not float32
+    if tuple(scale.shape) != (q.shape[0],):
+        raise ValueError("scale")
+    return (q.float() * scale[:, None]).to(torch.bfloat16)
+
+
+def _dequantize_along_columns(q, scale):                      # scale[k] multiplies column k: only square q runs
+    if tuple(scale.shape) != (q.shape[0],):
+        raise ValueError("scale")
+    return q.float() * scale
+
+
+def _quantized_linear(*, bias=True, per_tensor=False, float32=False):
+    """A `QuantizedLinear(linear, method)` with one planted bug: `bias=False` forgets the bias, `per_tensor` keeps
+    one scale for the whole weight (repeated per row), `float32` dequantizes into float32 whatever x's dtype."""
+    import torch.nn.functional as F
+
+    from minirt.quant.formats import dequantize
+
+    class Wrong(torch.nn.Module):
+        def __init__(self, linear, method):
+            super().__init__()
+            q, scale = _quantize_wrong(linear.weight, method, per_tensor=per_tensor)
+            self.register_buffer("weight", q)
+            self.register_buffer("weight_scale", scale.contiguous())
+            self.bias = linear.bias
+
+        def forward(self, x):
+            dtype = torch.float32 if float32 else x.dtype
+            y = F.linear(x.to(dtype), dequantize(self.weight, self.weight_scale, dtype=dtype))
+            return y + self.bias.to(dtype) if bias and self.bias is not None else y
+
+    return Wrong
+
+
+def _quantized_linear_keeping_a_float_weight():
+    """Right outputs, wrong memory: the dequantized float32 weight kept as a buffer beside q and its scales."""
+    from minirt.quant.formats import dequantize
+
+    Right = _quantized_linear()
+
+    class FloatToo(Right):
+        def __init__(self, linear, method):
+            super().__init__(linear, method)
+            self.register_buffer("weight_float", dequantize(self.weight, self.weight_scale))
+
+    return FloatToo
+
+
 WRONG = [
     ("ex01.greedy_next_token", lambda logits: logits.shape[-1] - 1 - logits.flip(-1).argmax(-1), "tie"),
     ("ex01.naive_generate",
@@ -475,6 +569,19 @@ WRONG = [
     ("ex09.column_parallel", _column_parallel_strided, "two ranks"),
     ("ex09.row_parallel", _row_parallel_bias_on_every_rank(), "two ranks, bias"),
     ("ex09.vocab_parallel_embedding", _vocab_embedding_without_the_mask(), "two ranks"),
+    ("ex10.quantize", functools.partial(_quantize_wrong, per_tensor=True), "a [2, 3] weight by hand"),
+    ("ex10.quantize", functools.partial(_quantize_wrong, truncate=True), "result['q']"),
+    ("ex10.quantize", functools.partial(_quantize_wrong, qmax=128.0), "result['scale']"),
+    ("ex10.quantize", functools.partial(_quantize_wrong, half_away=True), "halfway values round to even"),
+    ("ex10.quantize", _quantize_without_min_scale, "its scale stops at MIN_SCALE"),
+    ("ex10.quantize", _quantize_in_the_input_dtype, "a bfloat16 weight"),
+    ("ex10.dequantize", _dequantize_in_bfloat16, "expected dtype torch.float32, got torch.bfloat16"),
+    ("ex10.dequantize", _dequantize_along_columns, "a [2, 3] q by hand"),
+    ("ex10.dequantize", lambda q, scale: q.float() * scale[:, None], "scale of shape [N, 1] -> ValueError"),
+    ("ex10.quantized_linear", _quantized_linear(bias=False), "'int8, bias'"),
+    ("ex10.quantized_linear", _quantized_linear(per_tensor=True), "result['weight']"),
+    ("ex10.quantized_linear", _quantized_linear(float32=True), "the output in bfloat16"),
+    ("ex10.quantized_linear", _quantized_linear_keeping_a_float_weight(), "result['state_dict']"),
     ("ex11.greedy_accept", _greedy_accept_counting_every_match, "the first draft rejected"),
     ("ex11.rejection_sample", _rejection_sample_residual_from_p, "first token ~ p_0"),
     ("ex11.rollback_block_table", _rollback_releasing_first_block_first, "last block first"),
@@ -491,6 +598,14 @@ def test_checker_catches_a_wrong_implementation(task, wrong, case_words, capsys)
     assert "inputs:" in message and "expected" in message, message
     assert capsys.readouterr().out == ""          # no PASS line, no noise
 
+
+def test_the_quantization_scaffolds_pass_without_their_planted_bug(capsys):
+    """Control for exercise 10's wrong implementations: with no bug switched on, `_quantize_wrong` and
+    `_quantized_linear()` pass their checks, so each failure above comes from its one bug."""
+    checks.ex10_quantize(_quantize_wrong)
+    checks.ex10_quantized_linear(_quantized_linear())
+    assert capsys.readouterr().out.splitlines() == ["PASS ex10.quantize (23/23 cases)",
+                                                    "PASS ex10.quantized_linear (12/12 cases)"]
 
 def test_column_index_positions_generate_the_reference_tokens_and_fail_on_positions(capsys):
     """Oracle: the reference `kv_cache_generate`. Column-index positions shift each left-padded row by its pad count;

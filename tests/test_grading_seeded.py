@@ -21,10 +21,11 @@ from minirt.course import checks, grading, sandbox
 
 ROOT = Path(__file__).resolve().parent.parent
 SOLUTION = ROOT / "solutions" / "ex06_chunked_prefill.ipynb"
-#: the solutions whose tasks draw their extra cases from the Spec (ex04.match, ex05, ex08.delta_chunks, ex09, ex11)
+#: the solutions whose tasks draw their extra cases from the Spec (ex04.match, ex05, ex08.delta_chunks, ex09, ex10,
+#: ex11)
 STATEFUL = [ROOT / "solutions" / f"{name}.ipynb"
             for name in ("ex04_prefix_cache", "ex05_engine", "ex08_serving", "ex09_tensor_parallel",
-                         "ex11_speculative_decoding")]
+                         "ex10_quantization", "ex11_speculative_decoding")]
 
 
 @pytest.mark.parametrize("task", list(checks.SPECS))

@@ -1523,6 +1523,264 @@ def ex09_vocab_parallel_embedding() -> Spec:
     return Spec(reference, cases, run=drive, extra=lambda rng: [seeded(j, rng) for j in (1, 2, 3)])
 
 
+# ============================================================================== ex10: quantization
+
+
+def _column_major(t: torch.Tensor) -> torch.Tensor:
+    """The same values as `t [N, K]`, stored column by column: a non-contiguous view (strides (1, N))."""
+    return t.t().contiguous().t()
+
+
+def _plain_q(q: Any) -> Any:
+    """A quantized tensor in a form the grader can carry and compare: FP8 values as float32 (every e4m3 value is
+    exactly a float32; two neighbours differ by more than float32's tolerance), anything else as it is."""
+    if isinstance(q, torch.Tensor) and q.dtype.is_floating_point and q.element_size() == 1:
+        return q.float()
+    return q
+
+
+def _quantized_pair(out: Any) -> Any:
+    """What `quantize` returned, as the check compares it: q's dtype first, then q and the scales."""
+    if not (isinstance(out, (tuple, list)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
+        return out
+    q, scale = out
+    return {"q dtype": str(q.dtype), "q": _plain_q(q), "scale": scale}
+
+
+def _weight_show(w: torch.Tensor, what: str) -> str:
+    return f"weight [{w.shape[0]}, {w.shape[1]}] {str(w.dtype).removeprefix('torch.')} {what}" if w.dim() == 2 \
+        else f"weight of shape {list(w.shape)} {what}"
+
+
+@_task
+def ex10_quantize() -> Spec:
+    """Check `quantize(weight [N, K], method) -> (q [N, K] int8 | float8_e4m3fn, scale [N] float32)`: one
+    symmetric absmax scale per output channel (row), compared exactly (q) and within float32's tolerance (scale)."""
+    from minirt.quant.formats import quantize as reference
+
+    def run(f, inputs):
+        weight, method, layout = inputs
+        return _quantized_pair(f(_column_major(weight) if layout == "column-major" else weight, method))
+
+    def case(name, make_weight, method, what, layout="row-major"):
+        def make():
+            return make_weight(), method, layout
+        w = make_weight()
+        extra = ", stored column-major (a non-contiguous view)" if layout == "column-major" else ""
+        return Case(name, make, f"{_weight_show(w, what)}{extra}, method={method!r}")
+
+    def fixed(rows):
+        return lambda: torch.tensor(rows, dtype=torch.float32, device=device())
+
+    def magnitudes(seed):              # one row ~1e-3, one ~1, one ~1e3: a per-tensor scale crushes the first
+        return lambda: _randn(3, 16, seed=seed) * torch.tensor([[1e-3], [1.0], [1e3]], device=device())
+
+    def zero_row(seed):
+        def make():
+            w = _randn(4, 8, seed=seed)
+            w[2] = 0.0
+            return w
+        return make
+
+    def outlier(seed, value):
+        def make():
+            w = _randn(2, 12, seed=seed) * 0.01
+            w[1, 5] = value
+            return w
+        return make
+
+    negative = [[-5.0, 1.0, 2.5, 4.9], [0.3, -0.7, 0.2, 0.1]]
+    ties = [[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5], [63.5, 0.25, 0.75, 1.25, -0.25, -0.75, -1.25, 0.0]]
+    cases = [
+        case("int8: a [2, 3] weight by hand", fixed([[1.0, -0.5, 0.25], [2.0, 4.0, -8.0]]), "int8",
+             "[[1.0, -0.5, 0.25], [2.0, 4.0, -8.0]]"),
+        case("int8: rows of very different magnitudes (one scale per row, not per tensor)", magnitudes(1), "int8",
+             "random, rows scaled by 1e-3, 1 and 1e3"),
+        case("int8: the largest magnitude is negative: -amax -> -127", fixed(negative), "int8", str(negative)),
+        case("int8: halfway values round to even (torch.round): 0.5 -> 0, 1.5 -> 2, 2.5 -> 2", fixed(ties), "int8",
+             f"{ties} (scales exactly 1.0 and 0.5)"),
+        case("int8: a zero row: scale MIN_SCALE, q all 0", zero_row(2), "int8", "random, row 2 all zeros"),
+        case("int8: a row of tiny values (amax 3e-11 < 127 * MIN_SCALE): its scale stops at MIN_SCALE",
+             fixed([[3e-11, -1e-11, 2e-12, 0.0], [1.0, -2.0, 0.5, 0.25]]), "int8",
+             "[[3e-11, -1e-11, 2e-12, 0.0], [1.0, -2.0, 0.5, 0.25]]"),
+        case("int8: one outlier (3.0 among values ~0.01): the others round to 0 or +-1", outlier(3, 3.0), "int8",
+             "random ~N(0, 0.01^2), weight[1, 5] = 3.0"),
+        case("int8: a bfloat16 weight (quantized in float32)", lambda: _randn(6, 20, seed=4, dtype=torch.bfloat16),
+             "int8", "random"),
+        case("int8: a column-major (non-contiguous) weight", lambda: _randn(5, 7, seed=5), "int8", "random",
+             layout="column-major"),
+        case("int8: one input channel (K = 1)", fixed([[0.3], [-2.0], [0.0], [7.0]]), "int8",
+             "[[0.3], [-2.0], [0.0], [7.0]]"),
+        case("int8: random [16, 64]", lambda: _randn(16, 64, seed=6), "int8", "random (seed 6)"),
+        case("fp8: a [2, 3] weight by hand", fixed([[1.0, -0.5, 0.25], [2.0, 4.0, -8.0]]), "fp8",
+             "[[1.0, -0.5, 0.25], [2.0, 4.0, -8.0]]"),
+        case("fp8: rows of very different magnitudes (one scale per row, not per tensor)", magnitudes(7), "fp8",
+             "random, rows scaled by 1e-3, 1 and 1e3"),
+        case("fp8: the largest magnitude is negative: -amax -> -448", fixed(negative), "fp8", str(negative)),
+        case("fp8: halfway between two e4m3 values: to the even one (17 -> 16, 19 -> 20)",
+             fixed([[448.0, 17.0, 19.0, -17.0, -19.0, 1.0]]), "fp8", "[[448.0, 17.0, 19.0, -17.0, -19.0, 1.0]] "
+             "(scale exactly 1.0)"),
+        case("fp8: a zero row: scale MIN_SCALE, q all 0", zero_row(8), "fp8", "random, row 2 all zeros"),
+        case("fp8: values far beyond e4m3's 448 (|w| up to 3e5): scaled into range, none saturates",
+             lambda: _randn(3, 10, seed=9, scale=1e5), "fp8", "random ~N(0, 1e5^2)"),
+        case("fp8: one outlier (1000 among values ~0.01): the small values become e4m3 subnormals or 0",
+             outlier(10, 1000.0), "fp8", "random ~N(0, 0.01^2), weight[1, 5] = 1000.0"),
+        case("fp8: a bfloat16 weight (quantized in float32)", lambda: _randn(6, 20, seed=11, dtype=torch.bfloat16),
+             "fp8", "random"),
+        case("fp8: a column-major (non-contiguous) weight", lambda: _randn(5, 7, seed=12), "fp8", "random",
+             layout="column-major"),
+        case("fp8: random [16, 64]", lambda: _randn(16, 64, seed=13), "fp8", "random (seed 13)"),
+        case("method 'int4' -> ValueError", lambda: _randn(2, 4, seed=14), "int4", "random"),
+        case("a 1-D weight -> ValueError", lambda: _randn(8, seed=15), "int8", "random"),
+    ]
+
+    def seeded(j, rng):
+        n, k, seed = rng.randint(1, 24), rng.randint(1, 80), rng.randrange(10**6)
+        method, dtype = rng.choice(["int8", "fp8"]), rng.choice([torch.float32, torch.bfloat16])
+        magnitude, zero = 10.0 ** rng.randint(-4, 4), rng.randrange(n) if rng.random() < 0.3 else None
+        layout = rng.choice(["row-major", "column-major"])
+
+        def make_weight():
+            w = _randn(n, k, seed=seed, scale=magnitude)
+            if zero is not None:
+                w[zero] = 0.0
+            return w.to(dtype)
+        what = f"random ~N(0, {magnitude:g}^2) (seed {seed})" + (f", row {zero} all zeros" if zero is not None else "")
+        return case(f"seeded case {j}", make_weight, method, what, layout)
+    return Spec(reference, cases, run=run, extra=lambda rng: [seeded(j, rng) for j in (1, 2, 3)])
+
+
+@_task
+def ex10_dequantize() -> Spec:
+    """Check `dequantize(q [N, K] int8 | float8_e4m3fn, scale [N] float32) -> [N, K] float32`: `q * scale` row by
+    row, and ValueError for scales of another shape."""
+    from minirt.quant.formats import STORAGE_DTYPE, quantize
+    from minirt.quant.formats import dequantize as reference
+
+    def run(f, inputs):
+        q, scale, method, layout = inputs
+        q = q.to(STORAGE_DTYPE[method])                # FP8 values travel as float32; each is an exact e4m3 value
+        return f(_column_major(q) if layout == "column-major" else q, scale)
+
+    def case(name, make_q, make_scale, method, what, layout="row-major"):
+        def make():
+            return _plain_q(make_q()), make_scale(), method, layout
+        q, scale = make_q(), make_scale()
+        extra = ", stored column-major (a non-contiguous view)" if layout == "column-major" else ""
+        values = f" = {[float(f'{v:.6g}') for v in scale.flatten().tolist()]}" if scale.numel() <= 6 else ""
+        return Case(name, make, f"q [{q.shape[0]}, {q.shape[1]}] {str(q.dtype).removeprefix('torch.')} {what}{extra}, "
+                                f"scale {list(scale.shape)}{values}")
+
+    def tensor(rows, dtype=torch.float32):
+        return lambda: torch.tensor(rows, dtype=torch.float32).to(dtype=dtype, device=device())
+
+    def quantized(seed, n, k, method, scale=1.0, zero=None):
+        def pair():
+            w = _randn(n, k, seed=seed, scale=scale)
+            if zero is not None:
+                w[zero] = 0.0
+            return quantize(w, method)
+        return (lambda: pair()[0]), (lambda: pair()[1])
+
+    fp8_rows = [[448.0, -448.0, 2.0 ** -9, -(2.0 ** -9), 0.0], [16.0, 20.0, -1.125, 0.015625, 240.0]]
+    q1, s1 = quantized(1, 16, 64, "int8")
+    q2, s2 = quantized(2, 3, 5, "int8", zero=1)
+    q3, s3 = quantized(3, 16, 64, "fp8")
+    q4, s4 = quantized(4, 4, 9, "fp8", scale=1e3)
+    q5, s5 = quantized(5, 5, 7, "int8")
+    q6, s6 = quantized(6, 6, 1, "fp8")
+    cases = [
+        case("int8: a [2, 3] q by hand", tensor([[127, -64, 0], [1, -127, 50]], torch.int8), tensor([0.5, 0.01]),
+             "int8", "[[127, -64, 0], [1, -127, 50]]"),
+        case("int8: the extremes +-127 and a scale of 1", tensor([[127, -127], [-127, 127]], torch.int8),
+             tensor([1.0, 3.0]), "int8", "[[127, -127], [-127, 127]]"),
+        case("int8: a zero row with scale MIN_SCALE: exact zeros", q2, s2, "int8", "quantize()d, row 1 all zeros"),
+        case("int8: random [16, 64] from quantize", q1, s1, "int8", "quantize()d random (seed 1)"),
+        case("fp8: q by hand: +-448 and the e4m3 subnormals +-2^-9", tensor(fp8_rows, torch.float8_e4m3fn),
+             tensor([0.25, 2.0]), "fp8", str(fp8_rows)),
+        case("fp8: random [16, 64] from quantize", q3, s3, "fp8", "quantize()d random (seed 3)"),
+        case("fp8: large weights (|w| ~ 1e3: every scale above 1)", q4, s4, "fp8", "quantize()d random ~N(0, 1e3^2)"),
+        case("int8: a column-major (non-contiguous) q", q5, s5, "int8", "quantize()d random", layout="column-major"),
+        case("fp8: one input channel (K = 1)", q6, s6, "fp8", "quantize()d random"),
+        case("scale of shape [N, 1] -> ValueError", tensor([[1, 2], [3, 4], [5, 6]], torch.int8),
+             lambda: torch.ones(3, 1, device=device()), "int8", "[[1, 2], [3, 4], [5, 6]]"),
+        case("scale of shape [N + 1] -> ValueError", tensor([[1, 2], [3, 4]], torch.int8),
+             lambda: torch.ones(3, device=device()), "int8", "[[1, 2], [3, 4]]"),
+    ]
+
+    def seeded(j, rng):
+        n, k, seed = rng.randint(1, 24), rng.randint(1, 80), rng.randrange(10**6)
+        method, magnitude = rng.choice(["int8", "fp8"]), 10.0 ** rng.randint(-4, 4)
+        zero = rng.randrange(n) if rng.random() < 0.3 else None
+        q, s = quantized(seed, n, k, method, magnitude, zero)
+        return case(f"seeded case {j}", q, s, method, f"quantize()d random ~N(0, {magnitude:g}^2) (seed {seed})"
+                    + (f", row {zero} all zeros" if zero is not None else ""),
+                    rng.choice(["row-major", "column-major"]))
+    return Spec(reference, cases, run=run, extra=lambda rng: [seeded(j, rng) for j in (1, 2, 3)])
+
+
+@_task
+def ex10_quantized_linear() -> Spec:
+    """Check `QuantizedLinear(linear, method)`: its state_dict (names, dtypes, shapes), its quantized weight and
+    scales, and `forward(x)` = `x @ dequantize(weight, weight_scale).T + bias` in x's dtype."""
+    from minirt.quant.linear import QuantizedLinear
+
+    def reference(linear, method):
+        return QuantizedLinear.from_linear(linear, method)
+
+    def run(cls, inputs):
+        weight, bias, method, x, layout = inputs
+        n, k = weight.shape
+        # built here from its tensors (a Linear on the wire would arrive in float32): same dtype on both sides
+        linear = torch.nn.Linear(k, n, bias=bias is not None, device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if bias is not None:
+                linear.bias.copy_(bias)
+        layer = cls(linear.requires_grad_(False), method)
+        with torch.no_grad():
+            y = layer(_column_major(x) if layout == "column-major" else x)
+        state = {name: f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
+                 for name, t in sorted(layer.state_dict().items())}
+        return {"state_dict": state, "weight": _plain_q(layer.weight), "weight_scale": layer.weight_scale,
+                "output": y}
+
+    def case(name, n, k, bias, method, x_shape, seed, dtype=torch.float32, zero=None, layout="row-major"):
+        def make():
+            w = _randn(n, k, seed=seed, scale=k ** -0.5)
+            if zero is not None:
+                w[zero] = 0.0
+            b = _randn(n, seed=seed + 1).to(dtype) if bias else None
+            return w.to(dtype), b, method, _randn(*x_shape, seed=seed + 2, dtype=dtype), layout
+        dt = str(dtype).removeprefix("torch.")
+        show = (f"nn.Linear({k}, {n}, bias={bias}) in {dt}" + (f" with output channel {zero} all zeros" if zero
+                is not None else "") + f", method={method!r}, x {list(x_shape)} {dt}"
+                + (" stored column-major (a non-contiguous view)" if layout == "column-major" else ""))
+        return Case(name, make, show)
+
+    cases = [
+        case("int8, no bias: x [3, K]", 6, 8, False, "int8", (3, 8), 1),
+        case("int8, bias", 6, 8, True, "int8", (3, 8), 4),
+        case("fp8, bias", 6, 8, True, "fp8", (3, 8), 7),
+        case("fp8, no bias: x [2, 3, K] (leading dims)", 5, 16, False, "fp8", (2, 3, 16), 10),
+        case("int8, bias: an all-zero output channel gives its bias", 4, 8, True, "int8", (2, 8), 13, zero=2),
+        case("int8, bias, bfloat16: the output in bfloat16", 8, 32, True, "int8", (4, 32), 16, dtype=torch.bfloat16),
+        case("fp8, no bias, bfloat16: the output in bfloat16", 8, 32, False, "fp8", (4, 32), 19, dtype=torch.bfloat16),
+        case("int8, bias: x of shape [K] (one token, no batch dimension)", 3, 5, True, "int8", (5,), 22),
+        case("fp8, bias: x a column-major (non-contiguous) view", 4, 6, True, "fp8", (5, 6), 25, layout="column-major"),
+        case("int8, bias: random [32, 64], x [7, 64]", 32, 64, True, "int8", (7, 64), 28),
+        case("fp8, bias: random [32, 64], x [7, 64]", 32, 64, True, "fp8", (7, 64), 31),
+        case("method 'int4' -> ValueError", 2, 4, False, "int4", (1, 4), 34),
+    ]
+
+    def seeded(j, rng):
+        n, k, t, seed = rng.randint(1, 24), rng.randint(1, 64), rng.randint(1, 6), rng.randrange(10**6)
+        zero = rng.randrange(n) if rng.random() < 0.3 else None
+        return case(f"seeded case {j}", n, k, rng.random() < 0.5, rng.choice(["int8", "fp8"]), (t, k), seed,
+                    rng.choice([torch.float32, torch.bfloat16]), zero, rng.choice(["row-major", "column-major"]))
+    return Spec(reference, cases, run=run, extra=lambda rng: [seeded(j, rng) for j in (1, 2, 3)])
+
+
 # ============================================================================== ex11: speculative decoding
 
 
@@ -1827,6 +2085,9 @@ TASKS: dict[str, Callable[[Callable], None]] = {
     "ex09.column_parallel": ex09_column_parallel,
     "ex09.row_parallel": ex09_row_parallel,
     "ex09.vocab_parallel_embedding": ex09_vocab_parallel_embedding,
+    "ex10.quantize": ex10_quantize,
+    "ex10.dequantize": ex10_dequantize,
+    "ex10.quantized_linear": ex10_quantized_linear,
     "ex11.greedy_accept": ex11_greedy_accept,
     "ex11.rejection_sample": ex11_rejection_sample,
     "ex11.rollback_block_table": ex11_rollback_block_table,
@@ -1855,6 +2116,11 @@ REFERENCE_NAMES: dict[str, tuple[str, ...]] = {
     "ex09.column_parallel": ("minirt.parallel.sharding:column_parallel",),
     "ex09.row_parallel": ("minirt.parallel.sharding:RowParallelLinear",),
     "ex09.vocab_parallel_embedding": ("minirt.parallel.sharding:VocabParallelEmbedding",),
+    "ex10.quantize": ("minirt.quant.formats:quantize",),
+    "ex10.dequantize": ("minirt.quant.formats:dequantize",),
+    # the layer is quantize, dequantize and one product: minirt's own two are no part of a solution either
+    "ex10.quantized_linear": ("minirt.quant.linear:QuantizedLinear", "minirt.quant.formats:quantize",
+                              "minirt.quant.formats:dequantize"),
     "ex11.greedy_accept": ("minirt.spec.acceptance:greedy_accept",),
     "ex11.rejection_sample": ("minirt.spec.acceptance:rejection_sample",),
     "ex11.rollback_block_table": ("minirt.spec.rollback:rollback_block_table",),
