@@ -277,13 +277,14 @@ def run_hf_generate_batch(model, prompts, n, device=None) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the run
-def build_random_qwen3(path: str, device: torch.device, seed: int) -> str:
-    """Save a Qwen3-0.6B-configured model with random bfloat16 weights (built by transformers) to `path`."""
+def build_random_qwen3(path: str, device: torch.device, seed: int, config: dict | None = None) -> str:
+    """Save a Qwen3 model with random bfloat16 weights (built by transformers) to `path`: Qwen3-0.6B's
+    configuration, or `config` (a dict of `Qwen3Config` fields) for another shape."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(seed)
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**QWEN3_0_6B), dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**(config or QWEN3_0_6B)), dtype=torch.bfloat16)
     model.save_pretrained(path)
     del model
     free_memory()
