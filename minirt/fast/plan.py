@@ -293,7 +293,7 @@ RULES: tuple[Rule, ...] = (
     Rule("argmax_in_gemv", "the greedy argmax in the LM head GEMV's epilogue", lambda r: r.need("gemv"),
          lambda r: True, "with gemv"),
     # Chapter 11 again: a verification step of running requests only replays one CUDA graph of k + 1 rows per
-    # request (`minirt.fast.runner.build_verify_graphs`), where it took the piecewise path. Triton's kernel only:
+    # request (`minirt.fast.runner.build_verify_graphs`); off, it takes the piecewise graphs. Triton's kernel only:
     # flash-attn's call for several rows per sequence (flash-attn 2's varlen kernel) is not captured anywhere here.
     Rule("verify_graphs", "CUDA graphs for verification steps",
          lambda r: r.need("speculative", "cuda_graphs", "attention_backend"), lambda r: True,
