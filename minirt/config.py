@@ -20,7 +20,8 @@ MAX_SPECULATIVE_TOKENS = 16
 #: Switches that are True, False or None (None: on where the rules of `minirt.fast.plan` say it pays).
 AUTO_SWITCHES = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl",
                  "kv_write_in_rotary", "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling",
-                 "piecewise_graphs", "async_scheduling", "silu_and_mul_kernel", "rotary_cache", "argmax_in_gemv")
+                 "piecewise_graphs", "async_scheduling", "silu_and_mul_kernel", "rotary_cache", "argmax_in_gemv",
+                 "verify_graphs")
 
 
 def _is_int(value) -> bool:
@@ -72,7 +73,8 @@ class EngineConfig:
     n-gram's earlier occurrence) or "draft" (a small model of the same tokenizer). num_speculative_tokens: k, the
     tokens drafted per step (None: 4 where speculative is set). speculative_model: the draft model's checkpoint
     (None: the one shipped beside the default model). prompt_lookup_min, prompt_lookup_max: the n-gram lengths the
-    "ngram" drafter tries, longest first (vLLM's names).
+    "ngram" drafter tries, longest first (vLLM's names). verify_graphs: verification steps (k + 1 rows per running
+    request, no prefill chunk) replay CUDA graphs captured for them (None: with speculative decoding and CUDA graphs).
     """
 
     device: object = None
@@ -116,6 +118,7 @@ class EngineConfig:
     speculative_model: object = None
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 3
+    verify_graphs: bool | None = None
 
     def __post_init__(self):
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_prefill_chunk",

@@ -243,6 +243,43 @@ def test_each_group_of_splits_counts_on_its_own_counter():
     torch.testing.assert_close(got[~early], oracle(ks, vs, qs)[~early], atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.skipif(TRITON_DEVICE is None, reason="the Triton kernel needs CUDA or Triton's interpreter")
+@pytest.mark.parametrize("q_len,num_splits,prefetch_kv,combine,num_heads,num_kv_heads", [
+    pytest.param(3, 2, True, False, 4, 2, id="q3-2-splits"), pytest.param(9, 16, True, False, 4, 2, id="q9-16-splits"),
+    pytest.param(9, 4, False, False, 4, 2, id="q9-wait-first"), pytest.param(9, 4, True, True, 4, 2, id="q9-combine"),
+    pytest.param(5, 8, True, False, 6, 2, id="q5-group3"), pytest.param(5, 2, True, True, 6, 2, id="q5-group3-combine")])
+def test_uniform_rows_with_split_kv_match_sdpa(q_len, num_splits, prefetch_kv, combine, num_heads, num_kv_heads):
+    """A verification step as its CUDA graphs launch it (`minirt.fast.cuda_graphs.DecodeGraphs` with query length
+    q_len, `minirt.fast.attention.verify_kernel`): every sequence has q_len new rows, split-KV on, with the K/V
+    prefetch before the PDL wait or not, combined by the second kernel or in the attention kernel. Some sequences
+    end with padding rows (a draft shorter than q_len - 1, none at all): the context length counts them and the keys
+    at their positions hold garbage (large values a rejected draft or another request left); the real rows must
+    match SDPA over the real context alone (q_len 9 with 8 tokens per query tile: two tiles per sequence)."""
+    from minirt.kernels.paged_attention_triton import paged_attention_triton, split_counters_for
+
+    device = TRITON_DEVICE
+    real = [q_len, 1, q_len - 1, 2]                                  # real rows per sequence; the rest padding
+    contexts = [37, 90, 64, 5]                                      # real context, real rows included
+    lens = [(c + q_len - n, q_len) for c, n in zip(contexts, real)]
+    q, k_cache, v_cache, meta, ks, vs, qs = build_case(17 + q_len, 16, num_heads, num_kv_heads, 32, torch.float32,
+                                                       device, lens=lens)
+    gen = torch.Generator().manual_seed(5)
+    for s, (c, n) in enumerate(zip(contexts, real)):                # garbage where the padding rows' keys are read
+        table = meta.block_tables[s]
+        slots = torch.stack([table[p // 16] * 16 + p % 16 for p in range(c, c + q_len - n)]) if n < q_len else None
+        if slots is not None:
+            garbage = 1e3 * torch.randn(len(slots), num_kv_heads, 32, generator=gen).to(device)
+            store_kv(k_cache, v_cache, garbage, garbage.flip(0), slots)
+    counters = split_counters_for(len(lens) * q_len, num_kv_heads, torch.device(device)) if combine else None
+    got = paged_attention_triton(q, k_cache, v_cache, meta, num_splits=num_splits, prefetch_kv=prefetch_kv,
+                                 split_counters=counters).float()
+    rows = torch.cat([torch.arange(n) + s * q_len for s, n in enumerate(real)]).to(device)
+    want = oracle([k[:c] for k, c in zip(ks, contexts)], [v[:c] for v, c in zip(vs, contexts)],
+                  [x[:n] for x, n in zip(qs, real)])
+    torch.testing.assert_close(got[rows], want, atol=2e-5, rtol=2e-5)
+    assert counters is None or not counters.any()
+
+
 def test_choose_num_splits_fills_twice_the_sms_up_to_max_splits(monkeypatch):
     """`choose_num_splits` on a (stand-in) 132-SM GPU against brute force: the smallest power of two of splits that
     gives the decode batch's (sequence, KV head) pairs at least two programs per SM, at most `MAX_SPLITS`; 1 for a

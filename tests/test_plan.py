@@ -15,7 +15,7 @@ from minirt.fast import Hardware, Plan, resolve_plan
 
 ON_OFF = ("fused_ops", "merge_projections", "gemv", "norm_in_gemv", "rotary_kernel", "pdl", "kv_write_in_rotary",
           "combine_in_attention", "prefetch_kv", "l2_prefetch", "overlap_scheduling", "piecewise_graphs",
-          "async_scheduling", "silu_and_mul_kernel", "rotary_cache", "argmax_in_gemv")
+          "async_scheduling", "silu_and_mul_kernel", "rotary_cache", "argmax_in_gemv", "verify_graphs")
 #: switch -> the switches it needs on (the contract in EngineConfig's docstring and chapter 07)
 #: (cuda_graphs needs the Triton kernel or flash-attn's: `expected` below)
 NEEDS = {"split_kv": ["triton"], "norm_in_gemv": ["gemv", "merge_projections"],
@@ -94,6 +94,9 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
                         and can_run("gemv", hw))
     on["quantization"], on["weight_block_size"] = cfg.quantization, cfg.weight_block_size
     on.update(speculative=None, num_speculative_tokens=0, speculative_max_batch=0)   # (tests/test_spec_engine.py)
+    if asked["verify_graphs"] is True:                  # it needs speculation, which these settings never ask for
+        return "verify_graphs"
+    on["verify_graphs"] = False                         # (with speculation: tests/test_verify_graphs.py)
     return on
 
 
@@ -154,6 +157,8 @@ def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
                              r"needs a CUDA device \(got cpu\)"),
     ("norm_in_gemv", True, r"norm_in_gemv: the GEMV's norm prologue needs gemv \(off: needs a CUDA device "
                            r"\(got cpu\)\) and merge_projections \(off: merge_projections=None is on only on CUDA\)"),
+    ("verify_graphs", True, r"verify_graphs: CUDA graphs for verification steps needs speculative \(off: "
+                            r"speculative=None\) and CUDA graphs \(off: needs a CUDA device \(got cpu\)"),
 ])
 def test_refused_on_this_cpu_by_name_before_the_model_loads(tiny_models, monkeypatch, field, value, words):
     monkeypatch.setattr(minirt.engine, "load_model", lambda *a, **k: pytest.fail("loaded the model before refusing"))

@@ -88,3 +88,27 @@ def combine_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch
     """
     weights = torch.exp(m - m.amax(dim=-1, keepdim=True))                 # [..., num_splits]
     return (weights[..., None] * acc).sum(dim=-2) / (weights * l).sum(dim=-1, keepdim=True)
+
+
+def verify_kernel(plan, kernel, max_num_seqs: int, query_len: int, num_kv_heads: int, device: torch.device):
+    """The attention kernel of the verification graphs (`minirt.fast.cuda_graphs.DecodeGraphs` with `query_len`
+    k + 1 rows per sequence, batches of up to `max_num_seqs`): `kernel`, the plan's (`attention_kernels`), except
+    that the Triton kernel with split-KV splits each sequence's keys as it would for a decode batch of as many
+    sequences (`splits_for`), and with the combine in the attention kernel counts on counters of its own, one per
+    (sequence, KV head, query tile). `choose_num_splits` keeps one program per sequence for a step with several rows
+    per sequence, which it cannot tell from a prefill chunk; here the graphs say the rows are uniform and few. The
+    kernel handles them as it handles a chunk's (each row's position `context_len - q_len + i`, the causal mask),
+    and its K/V prefetch before the PDL wait loads only keys before the step's first row, written by earlier steps."""
+    if plan.attention_backend != "triton" or not plan.split_kv:
+        return kernel
+    from minirt.kernels.paged_attention_triton import split_counters_for, splits_for
+
+    options = {}
+    if plan.combine_in_attention:                 # query tiles per sequence: at most one per row
+        options["split_counters"] = split_counters_for(max_num_seqs * query_len, num_kv_heads, device)
+
+    def split_kv_kernel(q, k_cache, v_cache, meta):
+        splits = splits_for(meta.context_lens.shape[0] * num_kv_heads, q.device)
+        return kernel(q, k_cache, v_cache, meta, num_splits=splits, **options)
+
+    return split_kv_kernel

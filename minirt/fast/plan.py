@@ -68,6 +68,9 @@ class Plan:
     quant_gemv: quantized linears through `minirt.fast.quant_layers.FastQuantizedLinear` (few rows: the Triton
     `quant_gemv`; more: FP8 tensor-core GEMMs or dequantize-then-GEMM). Chapter 10's: quantization: None (float weights), "int8" or "fp8", as asked or as the checkpoint's
     `quantization_config` says; weight_block_size: None (per output channel) or B (B x B blocks) (`minirt.quant`).
+    Chapter 11's (`minirt.spec`): speculative: the drafter's name or None; num_speculative_tokens: k;
+    speculative_max_batch: the running batch above which a step drafts nothing; verify_graphs: verification steps
+    (k + 1 rows per running request, no prefill chunk) replay CUDA graphs (`minirt.fast.runner.build_verify_graphs`).
     """
 
     attention_backend: str = "torch"
@@ -93,11 +96,13 @@ class Plan:
     quant_gemv: bool = False
     quantization: str | None = None
     weight_block_size: int | None = None
-    # chapter 11 (`minirt.spec`): the drafter (None: no speculation), k, and the running batch above which a step
-    # drafts nothing (decoding that many rows is no longer bound by reading the weights: verifying costs more)
+    # chapter 11 (`minirt.spec`): the drafter (None: no speculation), k, the running batch above which a step
+    # drafts nothing (decoding that many rows is no longer bound by reading the weights: verifying costs more), and
+    # whether verification steps replay CUDA graphs
     speculative: str | None = None
     num_speculative_tokens: int = 0
     speculative_max_batch: int = 0
+    verify_graphs: bool = False
 
     @property
     def is_reference(self) -> bool:
@@ -242,9 +247,9 @@ RULES: tuple[Rule, ...] = (
          lambda r: [*r.hw.triton, *_one_process(r), *_quantized(r)],
          lambda r: _cuda(r), "on CUDA with quantized weights", field="gemv",
          asked=lambda v: False if v is False else None),
-    # Chapter 11. The plan's `speculative` holds the drafter's name; verification steps (k+1 rows per request) run
-    # through the piecewise graphs where those are on, else eagerly, and steps without drafts replay the decode
-    # graphs: no graph is captured per k.
+    # Chapter 11. The plan's `speculative` holds the drafter's name; verification steps (k+1 rows per request) replay
+    # graphs of their own with verify_graphs (the last row), steps with prefill chunks the piecewise graphs, and steps
+    # without drafts the decode graphs.
     Rule("speculative", "speculative decoding", _speculation_in_one_process, lambda r: False, "never (asked for by name only)",
          asked=lambda v: v is not None),
     Rule("num_speculative_tokens", "draft tokens", lambda r: r.need("speculative"),
@@ -287,6 +292,12 @@ RULES: tuple[Rule, ...] = (
     Rule("rotary_cache", "cos and sin looked up per position", lambda r: [], _cuda, "on CUDA"),
     Rule("argmax_in_gemv", "the greedy argmax in the LM head GEMV's epilogue", lambda r: r.need("gemv"),
          lambda r: True, "with gemv"),
+    # Chapter 11 again: a verification step of running requests only replays one CUDA graph of k + 1 rows per
+    # request (`minirt.fast.runner.build_verify_graphs`); off, it takes the piecewise graphs. Triton's kernel only:
+    # flash-attn's call for several rows per sequence (flash-attn 2's varlen kernel) is not captured anywhere here.
+    Rule("verify_graphs", "CUDA graphs for verification steps",
+         lambda r: r.need("speculative", "cuda_graphs", "attention_backend"), lambda r: True,
+         "with speculative decoding and CUDA graphs"),
 )
 RULE_BY_NAME = {rule.name: rule for rule in RULES}
 

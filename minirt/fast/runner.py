@@ -1,6 +1,6 @@
-"""The model runner of the fast path: the plan's attention kernel, CUDA graphs for decode steps, piecewise graphs for
-steps with prefill chunks, and multi-step decode's bursts (`FastModelRunner`), built once from a plan by
-`build_model_runner`."""
+"""The model runner of the fast path: the plan's attention kernel, CUDA graphs for decode steps and for speculative
+decoding's verification steps, piecewise graphs for steps with prefill chunks, and multi-step decode's bursts
+(`FastModelRunner`), built once from a plan by `build_model_runner`."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from minirt.attention import PagedAttentionMetadata
 from minirt.config import cdiv
-from minirt.fast.attention import KernelPagedAttention, attention_kernels
+from minirt.fast.attention import KernelPagedAttention, attention_kernels, verify_kernel
 from minirt.fast.cuda_graphs import DecodeGraphs, capture_sizes
 from minirt.fast.layers import speed_up_model
 from minirt.fast.piecewise_graphs import MAX_TOKENS, PiecewiseGraphs
@@ -30,16 +30,19 @@ class FastModelRunner(ModelRunner):
     `decode_graphs` is given (a `DecodeGraphs`), replay a CUDA graph for steps in which every sequence has one
     new token, and where `piecewise_graphs` is given (a `PiecewiseGraphs`), replay the pieces of the other steps up
     to its largest size, attention launched between them; `execute_decode_steps` runs several decode steps back to
-    back, moving their inputs on with `advance` (`advance_decode_inputs`' contract; that function if None)."""
+    back, moving their inputs on with `advance` (`advance_decode_inputs`' contract; that function if None). Where
+    `verify_graphs` is given (a `DecodeGraphs` of query length k + 1), `forward_verify` replays them for speculative
+    decoding's verification steps."""
 
     def __init__(self, model: DecoderModel, kv_cache: torch.Tensor, block_size: int, kernel, store,
                  decode_graphs: DecodeGraphs | None = None, piecewise_graphs: PiecewiseGraphs | None = None,
-                 advance: Callable | None = None):
+                 advance: Callable | None = None, verify_graphs: DecodeGraphs | None = None):
         super().__init__(model, kv_cache, block_size)
         self.kernel, self.store = kernel, store
         self.advance = advance or advance_decode_inputs   # a burst's inputs from step to step (its contract)
         self.staging = InputStaging(self.device, block_size)
         self.decode_graphs, self.piecewise_graphs = decode_graphs, piecewise_graphs
+        self.verify_graphs = verify_graphs
         self.sample_sizes: list[int] = []       # the greedy sampler's row counts (`padded_rows`); none: no padding
         self.greedy_head = None                 # a `GreedyGemvHead`: greedy one-row steps take its argmax
 
@@ -71,6 +74,18 @@ class FastModelRunner(ModelRunner):
         else:
             hidden = self.model(input_ids, positions, attn=self.attention(meta))[0]
         return hidden[rows]
+
+    def forward_verify(self, step: StepInputs) -> torch.Tensor:
+        """`forward` for a verification step of speculative decoding whose sequences are all running requests, a
+        request's last token and its draft (no prefill chunk: `minirt.spec.engine.SpeculativeSteps.verify` decides):
+        through `verify_graphs`, every sequence padded to their k + 1 rows, where the step fits them (at most k + 1
+        rows per sequence, at most their largest batch size) and some request has a draft; else `forward` (a step
+        without drafts replays the decode graphs). Hidden states `[num_sampled, hidden]` of `step.sample_rows`."""
+        graphs = self.verify_graphs
+        if (graphs is None or not 1 < step.max_query_len <= graphs.query_len
+                or len(step.context_lens) > graphs.sizes[-1]):
+            return self.forward(step)
+        return graphs.run_padded(step)
 
     def to_device(self, step: StepInputs) -> tuple[torch.Tensor, torch.Tensor, PagedAttentionMetadata]:
         """`ModelRunner.to_device`'s tensors, as views of `InputStaging`'s buffer, valid until the next step's."""
@@ -349,9 +364,10 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
     For the reference plan, chapter 05's `ModelRunner` over the model as loaded. Otherwise the plan's fast modules
     are swapped into the model (`speed_up_model`), and a `FastModelRunner` gets the plan's attention kernels and,
     with CUDA graphs, one more KV block than the pool hands out: the scratch block padding rows write to; with
-    piecewise graphs, pieces for steps of up to `min(max_num_batched_tokens, MAX_TOKENS)` tokens; with fused ops
-    and bursts, `advance_decode_inputs` compiled; with argmax_in_gemv, greedy one-row steps sampled by the LM head
-    (`GreedyGemvHead.greedy`).
+    piecewise graphs, pieces for steps of up to `min(max_num_batched_tokens, MAX_TOKENS)` tokens; with verify_graphs,
+    graphs of k + 1 rows per sequence for verification steps of up to `speculative_max_batch` requests
+    (`build_verify_graphs`); with fused ops and bursts, `advance_decode_inputs` compiled; with argmax_in_gemv, greedy
+    one-row steps sampled by the LM head (`GreedyGemvHead.greedy`).
     """
     if plan.is_reference:
         return ModelRunner(model, allocate_kv_cache(model.config, num_kv_blocks, block_size, model.dtype,
@@ -365,15 +381,32 @@ def build_model_runner(plan, model: DecoderModel, num_kv_blocks: int, block_size
     if plan.piecewise_graphs:
         pieces = PiecewiseGraphs(model, kv_cache, kernel, store, min(max_num_batched_tokens, MAX_TOKENS),
                                  scratch_block=num_kv_blocks)
+    verify = None
+    if plan.verify_graphs:
+        verify = build_verify_graphs(plan, model, kv_cache, kernel, store,
+                                     min(plan.speculative_max_batch, max_num_seqs), max_model_len, num_kv_blocks)
     advance = None
     if plan.fused_ops and plan.num_scheduler_steps > 1:
         from minirt.fast.ops import fused
 
         advance = fused(advance_decode_inputs)
-    runner = FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces, advance)
+    runner = FastModelRunner(model, kv_cache, block_size, kernel, store, graphs, pieces, advance, verify)
     if plan.argmax_in_gemv:
         runner.greedy_head = model.lm_head
     if model.device.type == "cuda":       # (not for tensor parallelism: its other ranks run the LM head unpadded)
         runner.sample_sizes = capture_sizes(max_num_seqs)       # the decode graphs' batch sizes
         runner.warm_up_sampler()
     return runner
+
+
+def build_verify_graphs(plan, model: DecoderModel, kv_cache: torch.Tensor, kernel, store, max_num_seqs: int,
+                        max_model_len: int, scratch_block: int, capture: bool = True) -> DecodeGraphs:
+    """The CUDA graphs of speculative decoding's verification steps for a plan (`minirt.fast.plan.Plan`, its
+    num_speculative_tokens k): `DecodeGraphs` of query length k + 1 at the capture sizes up to `max_num_seqs`
+    sequences (vLLM's "uniform decode" graphs, `uniform_decode_query_len = 1 + num_spec_tokens`), attending with
+    `verify_kernel` (split-KV for their few rows per sequence); `kernel`, `store`: the plan's (`fast_parts`), the
+    padding rows writing the scratch block `scratch_block` of `kv_cache`."""
+    block_size, query_len = kv_cache.shape[3], 1 + plan.num_speculative_tokens
+    kernel = verify_kernel(plan, kernel, max_num_seqs, query_len, model.config.num_key_value_heads, model.device)
+    return DecodeGraphs(model, kv_cache, kernel, store, max_num_seqs, cdiv(max_model_len, block_size), scratch_block,
+                        capture=capture, query_len=query_len)

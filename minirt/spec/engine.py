@@ -17,7 +17,9 @@ Each engine step (`SpeculativeSteps.step`, which `minirt.fast.FastEngine.choose_
 3. **verify**: one forward over the batch; every row of a draft is scored (`SpeculativeSteps.verify`). A greedy
    request keeps the longest prefix of its draft equal to the target's argmax, then the target's own token
    (`greedy_accept`); a sampled one runs rejection sampling with its own generator (`rejection_sample`), so its
-   tokens are distributed exactly as without a draft;
+   tokens are distributed exactly as without a draft. With the plan's verify_graphs, a step of running requests
+   only replays one CUDA graph of k+1 rows per request, a shorter draft padded with rows whose K/V goes to a scratch
+   slot and which acceptance never sees (`minirt.fast.runner.FastModelRunner.forward_verify`);
 4. **postprocess**: the kept tokens are appended one at a time with chapter 05's stop checks (EOS, stop ids, stop
    strings, max_new_tokens): the first that finishes the request ends it and the rest are discarded. The request
    counts as computed its last token and the drafts it kept; the blocks past its tokens are released
@@ -202,7 +204,10 @@ class SpeculativeSteps:
             return {}
         step.sample_rows = rows
         step.sample_requests = [request for request, _, m in spans for _ in range(m + 1)]
-        logits = runner.model.compute_logits(runner.forward(step))      # [num_rows, vocab]
+        # Running requests only: one CUDA graph of k+1 rows each, shorter drafts padded (the plan's verify_graphs)
+        graphed = self.engine.plan.verify_graphs and batch.num_decodes == len(batch.items)
+        hidden = runner.forward_verify(step) if graphed else runner.forward(step)
+        logits = runner.model.compute_logits(hidden)                      # [num_rows, vocab]
         return self.accept(logits, spans)
 
     def accept(self, logits: torch.Tensor, spans: list[tuple[Request, int, int]]) -> dict[Request, list[int]]:
