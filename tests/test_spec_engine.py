@@ -570,21 +570,19 @@ def drive(llm, waves, params_of, max_batch: int) -> list:
 
 
 def build_overlapped(path, device: str, how: str, k: int = 3, **settings) -> minirt.LLM:
-    """An LLM with n-gram speculation and overlap/async scheduling: on CUDA the plan's defaults (graphs,
-    piecewise graphs, bursts of 8, overlap and async scheduling); on the CPU the fast runner eagerly ("eager"), or
-    its decode steps through the decode graphs' static buffers ("static buffers")."""
+    """An LLM with n-gram speculation, bursts of 4 decode steps, overlap and async scheduling: on CUDA with the
+    rest of the plan's defaults ("graphs": CUDA graphs, piecewise graphs, the Triton kernels); on the CPU the fast
+    runner eagerly ("eager"), or its decode steps through the decode graphs' static buffers ("static buffers")."""
     settings = dict(speculative="ngram", num_speculative_tokens=k, async_scheduling=True, **settings)
-    if device == "cuda":
-        return minirt.LLM(path, device="cuda", dtype=torch.float32, block_size=4, num_kv_blocks=1024,
-                          **{k: v for k, v in settings.items() if k != "async_scheduling"})
     if how == "static buffers":
         from test_cuda_graphs import padded_engine
 
         return padded_engine(path, num_scheduler_steps=4, **settings)
-    return minirt.LLM(path, device="cpu", dtype=torch.float32, block_size=4, num_scheduler_steps=4, **settings)
+    settings = {"num_kv_blocks": 1024, **settings} if device == "cuda" else settings
+    return minirt.LLM(path, device=device, dtype=torch.float32, block_size=4, num_scheduler_steps=4, **settings)
 
 
-CASES = [(d, h) for d in DEVICES for h in (["eager", "static buffers"] if d == "cpu" else ["plan defaults"])]
+CASES = [(d, h) for d in DEVICES for h in (["eager", "static buffers"] if d == "cpu" else ["graphs"])]
 
 
 @pytest.mark.gpu
@@ -650,15 +648,17 @@ def test_seeded_sampling_draws_as_without_speculation_where_nothing_is_drafted(t
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
 
 
-def test_aborts_and_preemption_while_a_step_is_in_flight(tiny_models):
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", DEVICES)
+def test_aborts_and_preemption_while_a_step_is_in_flight(tiny_models, device):
     """A pool small enough to preempt, and requests aborted while a step or burst that computes them is in flight
     (after an engine step that left it launched): the others still get transformers' tokens, an aborted one a prefix
     of them, the bookkeeping holds after every step, and every block is free at the end."""
     path, max_batch = tiny_models["llama"], 1
     prompts = prompts_for(35, 16)
     truth = greedy_truth(path, prompts, 18)
-    llm = build_overlapped(path, "cpu", "eager", max_num_seqs=8, max_num_batched_tokens=12, max_prefill_chunk=5,
-                           num_kv_blocks=20)
+    llm = build_overlapped(path, device, "eager" if device == "cpu" else "graphs", max_num_seqs=8,
+                           max_num_batched_tokens=12, max_prefill_chunk=5, num_kv_blocks=20)
     engine = llm.engine
     engine.speculation.proposer = proposer = TruthProposer(truth, corrupt=0.3)
     engine.scheduler.on_remove = proposer.remove
