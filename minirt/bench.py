@@ -181,7 +181,8 @@ def speculation_counts(engine) -> dict | None:
 def speculation_figures(before: dict | None, after: dict | None) -> dict:
     """A run's speculative figures from the counts before and after it: drafts verified, draft tokens, accepted
     tokens, the acceptance rate (accepted / drafted) and the tokens per target forward (tokens a request got per
-    forward that sampled it, drafts or not; 1.0 without speculation). Empty without speculation."""
+    verification forward that sampled it, drafts or not; the steps that draft nothing run as the plain engine's and
+    are not counted). Empty without speculation."""
     if after is None:
         return {}
     d = {k: after[k] - before[k] for k in after}
