@@ -21,7 +21,7 @@ END = "<!-- end of the generated switches -->"
 #: The bench's flag for a field that is not one of its `--name on|off|auto` switches.
 _FLAGS = {"attention_backend": "`--attention-backend` triton, torch or flash_attn", "split_kv": "`--no-split-kv`",
           "enforce_eager": "`--enforce-eager`", "num_scheduler_steps": "`--num-scheduler-steps N`",
-          "speculative": "`--speculative` ngram or draft", "num_speculative_tokens": "`--num-speculative-tokens K`"}
+          "speculative": "`--speculative` ngram, draft, or a list such as none,ngram", "num_speculative_tokens": "`--num-speculative-tokens K`"}
 
 
 def table() -> str:

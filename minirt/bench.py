@@ -21,6 +21,9 @@ KV-cache reads are not counted, which makes the fraction conservative.
 `--quantization none,int8,fp8` runs minirt once per format on the same checkpoint and prompts (chapter 10): each
 quantized system's roofline counts the bytes its step reads (one byte per quantized weight plus its float32 scales;
 the float embeddings, LM head and norms as they are), and its throughput is compared with unquantized minirt's.
+`--speculative none,ngram,draft` does the same for speculative decoding (chapter 11): one system per drafter
+("minirt_ngram", ...; with both lists, one per pair), each with its drafting figures and its throughput over plain
+minirt's on the same prompts.
 
 The CLI pieces are `add_parser(subparsers)` and `run(args) -> int`; `main(argv)` runs them standalone.
 """
@@ -45,7 +48,7 @@ import torch
 from torch.nn.attention import sdpa_kernel
 
 from minirt.attention import CUDA_SDPA_BACKENDS
-from minirt.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, EngineConfig
+from minirt.config import ATTENTION_BACKENDS, QUANTIZATION_METHODS, SPECULATIVE_METHODS, EngineConfig
 from minirt.fast import resolve_plan
 from minirt.fast.flash_attn import FlashAttnPagedAttention
 
@@ -72,6 +75,9 @@ TARGETS = {"cuda": [("throughput", "tokens_per_s_vs_hf_generate_batch", 25.0), (
 QUANT_TARGETS = {"cuda": [("latency", "tpot_p50_s", "fp8", 0.40e-3, True),
                           ("latency", "roofline_fraction", None, 0.45, False),
                           ("throughput", "tokens_per_s_vs_minirt", None, 1.0, False)]}
+# (workload, figure, target) for speculative systems: where drafting cannot pay (256 requests, far above
+# speculative_max_batch), the engine runs as the plain one and must not lose to it.
+SPEC_TARGETS = {"cuda": [("throughput", "tokens_per_s_vs_minirt", 1.0)]}
 GUARD_PROMPTS, GUARD_TOKENS, WARMUP_REQUESTS, WARMUP_TOKENS = 4, 32, 8, 8
 
 
@@ -175,7 +181,8 @@ def speculation_counts(engine) -> dict | None:
 def speculation_figures(before: dict | None, after: dict | None) -> dict:
     """A run's speculative figures from the counts before and after it: drafts verified, draft tokens, accepted
     tokens, the acceptance rate (accepted / drafted) and the tokens per target forward (tokens a request got per
-    forward that sampled it, drafts or not; 1.0 without speculation). Empty without speculation."""
+    verification forward that sampled it, drafts or not; the steps that draft nothing run as the plain engine's and
+    are not counted). Empty without speculation."""
     if after is None:
         return {}
     d = {k: after[k] - before[k] for k in after}
@@ -330,10 +337,11 @@ def agreement(mine: list[list[int]], theirs: list[list[int]]) -> dict:
             "prefix_agreement": sum(prefix(a, b) for a, b in zip(mine, theirs)) / len(theirs)}
 
 
-def compute_ratios(results: dict, device_type: str) -> list[dict]:
-    """minirt / baseline output tokens/s for each workload and baseline; minirt's roofline fraction (latency)."""
+def compute_ratios(results: dict, device_type: str, systems: dict | None = None) -> list[dict]:
+    """minirt / baseline output tokens/s for each workload and baseline; minirt's roofline fraction (latency); and
+    the figures of minirt's variants (`variant_ratios`; `systems`: each system's quantization and speculative)."""
     targets = {(w, name): t for w, name, t in TARGETS[device_type]}
-    ratios = []
+    ratios, variants = [], systems or {}
     for workload, systems in results.items():
         values = {}
         if "minirt" in systems:
@@ -346,27 +354,37 @@ def compute_ratios(results: dict, device_type: str) -> list[dict]:
             target = targets.get((workload, name))
             status = None if target is None else "n/a" if value is None else "PASS" if value >= target else "MISS"
             ratios.append({"workload": workload, "name": name, "value": value, "target": target, "status": status})
-        ratios += quantized_ratios(workload, systems, device_type)
+        ratios += variant_ratios(workload, systems, device_type, variants)
     return ratios
 
 
-def quantized_ratios(workload: str, systems: dict, device_type: str) -> list[dict]:
-    """The quantized systems' figures against their goals (`QUANT_TARGETS`), named "<system>:<figure>": on the
-    latency workload the roofline fraction at the quantized bytes and TPOT p50 (a bound from above: PASS at or
-    below it), on both the output tokens/s over unquantized minirt's."""
-    targets = {(w, name, method): (t, below) for w, name, method, t, below in QUANT_TARGETS.get(device_type, [])}
+def variant_ratios(workload: str, systems: dict, device_type: str, variants: dict) -> list[dict]:
+    """The figures of minirt's variants (every system named "minirt_..."; `variants[name]` says its `quantization`
+    and `speculative`), named "<system>:<figure>": on every workload the output tokens/s over plain minirt's; for a
+    quantized system on the latency workload also the roofline fraction at the quantized bytes and TPOT p50. Goals:
+    a quantized system's `QUANT_TARGETS` (TPOT p50 a bound from above: PASS at or below it), a speculative one's
+    `SPEC_TARGETS` (not for a system that is both)."""
+    quant_targets = {(w, name, method): (t, below)
+                     for w, name, method, t, below in QUANT_TARGETS.get(device_type, [])}
+    spec_targets = {(w, name): t for w, name, t in SPEC_TARGETS.get(device_type, [])}
     ratios = []
     for system, fig in systems.items():
         if not system.startswith("minirt_"):
             continue
-        method = system.removeprefix("minirt_")
+        variant = variants.get(system, {})
+        method, drafter = variant.get("quantization"), variant.get("speculative")
         values = {}
         if "minirt" in systems:
             values["tokens_per_s_vs_minirt"] = fig["output_tokens_per_s"] / systems["minirt"]["output_tokens_per_s"]
-        if workload == "latency":
+        if workload == "latency" and method is not None:
             values.update(roofline_fraction=fig.get("roofline_fraction"), tpot_p50_s=fig.get("tpot_p50_s"))
         for name, value in values.items():
-            target, below = targets.get((workload, name, method), targets.get((workload, name, None), (None, False)))
+            target, below = None, False
+            if drafter is None:
+                target, below = quant_targets.get((workload, name, method),
+                                                  quant_targets.get((workload, name, None), (None, False)))
+            elif method is None:
+                target = spec_targets.get((workload, name))
             status = (None if target is None else "n/a" if value is None else
                       "PASS" if (value <= target if below else value >= target) else "MISS")
             ratios.append({"workload": workload, "name": f"{system}:{name}", "value": value, "target": target,
@@ -389,7 +407,8 @@ def kernel_name(runner) -> str:
 def bench(device: torch.device, workloads: list[str], quick: bool = False, model: str | None = None,
           baselines: tuple[str, ...] = ("hf_generate",), seed: int = 0, engine_kwargs: dict | None = None,
           time_collectives: bool = False, quantizations: tuple[str | None, ...] = (None,),
-          weight_block_size: int | None = None) -> dict:
+          weight_block_size: int | None = None, speculatives: tuple[str | None, ...] = (None,),
+          speculative_kwargs: dict | None = None) -> dict:
     """Run minirt and the baselines on each workload; returns the report that `run` writes as JSON.
     `engine_kwargs` go to `minirt.LLM` (for example `enforce_eager=True`, `tensor_parallel_size=2`). With tensor
     parallelism, minirt's figures add the seconds per step in the model's collectives (`collective_s_per_step`):
@@ -397,7 +416,11 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
     `quantizations`: minirt runs once per entry on the same checkpoint and prompts, None as loaded (system
     "minirt"), "int8" or "fp8" quantized at load with `weight_block_size` (system "minirt_int8", ...); each
     system's roofline counts the bytes its decode step reads (`step_weight_bytes`), and `report["quantization"]`
-    holds each one's bytes, plan and greedy agreement with the first system's tokens."""
+    holds each one's bytes, plan and greedy agreement with the first system's tokens. `speculatives`: likewise one
+    system per drafter (None: no speculation; "ngram" or "draft": system "minirt_ngram", ...), with
+    `speculative_kwargs` (`num_speculative_tokens`, `speculative_model`: `system_settings`); with both lists, one
+    system per pair, plain minirt first; `report["speculative"]` holds the systems as `report["quantization"]`
+    does."""
     from transformers import AutoModelForCausalLM
 
     import minirt
@@ -421,10 +444,11 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             report["model"] = {"name": os.path.basename(os.path.normpath(model)), "path": model}
 
         systems, guard_tokens = {}, None
-        for quant in sorted(quantizations, key=lambda q: q is not None):    # unquantized first: the headline
-            name = system_name(quant)
-            kwargs = {**(engine_kwargs or {}), **({} if quant is None else
-                                                  {"quantization": quant, "weight_block_size": weight_block_size})}
+        pairs = [(q, d) for q in sorted(quantizations, key=lambda q: q is not None)   # plain first: the headline
+                 for d in sorted(speculatives, key=lambda d: d is not None)]
+        for quant, drafter in pairs:
+            name = system_name(quant, drafter)
+            kwargs = system_settings(engine_kwargs, quant, weight_block_size, drafter, speculative_kwargs)
             llm = minirt.LLM(model, device=device, dtype=dtype, **kwargs)
             engine = llm.engine
             if time_collectives and getattr(engine.model_runner, "comm", None) is not None:
@@ -433,7 +457,8 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
                         "num_kv_blocks": engine.config.num_kv_blocks, "max_num_seqs": engine.config.max_num_seqs,
                         "max_model_len": engine.config.max_model_len}
             systems[name] = {"quantization": quant, "weight_block_size": None if quant is None else weight_block_size,
-                             "weight_bytes": step_weight_bytes(engine.model), "engine_resolved": resolved}
+                             "speculative": drafter, "weight_bytes": step_weight_bytes(engine.model),
+                             "engine_resolved": resolved}
             if guard_tokens is None:           # the first system: the report's headline fields, the prompts
                 report["settings"]["engine_resolved"] = resolved
                 report["model"]["weight_bytes"] = systems[name]["weight_bytes"]
@@ -461,6 +486,8 @@ def bench(device: torch.device, workloads: list[str], quick: bool = False, model
             free_memory()
         if quantizations != (None,):
             report["quantization"] = systems
+        if speculatives != (None,):
+            report["speculative"] = systems
         if not baselines:
             return finish_report(report, results, systems, device.type)
 
@@ -491,13 +518,29 @@ def finish_report(report: dict, results: dict, systems: dict, device_type: str) 
             nbytes = systems[name]["weight_bytes"] if name in systems else float_bytes
             fig["roofline_fraction"] = nbytes / fig["tpot_p50_s"] / report["bandwidth"]["bytes_per_s"]
     report["results"] = results
-    report["ratios"] = compute_ratios(results, device_type)
+    report["ratios"] = compute_ratios(results, device_type, systems)
     return report
 
 
-def system_name(quantization: str | None) -> str:
-    """minirt's system name in the report for a quantization: "minirt" unquantized, else "minirt_<method>"."""
-    return "minirt" if quantization is None else f"minirt_{quantization}"
+def system_name(quantization: str | None, speculative: str | None = None) -> str:
+    """minirt's system name in the report: "minirt" unquantized and without speculation, else "minirt" followed by
+    "_<method>" and "_<drafter>" ("minirt_int8", "minirt_ngram", "minirt_fp8_draft")."""
+    return "_".join(["minirt", *(part for part in (quantization, speculative) if part is not None)])
+
+
+def system_settings(engine_kwargs: dict | None, quantization: str | None, weight_block_size: int | None,
+                    speculative: str | None, speculative_kwargs: dict | None) -> dict:
+    """The `minirt.LLM` settings of one system: the command line's, its quantization (with `weight_block_size`), and
+    its drafter with `speculative_kwargs` (`num_speculative_tokens` for either drafter, `speculative_model` for
+    "draft" only: `EngineConfig` refuses them elsewhere)."""
+    kwargs = dict(engine_kwargs or {})
+    if quantization is not None:
+        kwargs.update(quantization=quantization, weight_block_size=weight_block_size)
+    if speculative is not None:
+        kwargs["speculative"] = speculative
+        kwargs.update({k: v for k, v in (speculative_kwargs or {}).items()
+                       if k != "speculative_model" or speculative == "draft"})
+    return kwargs
 
 
 def step_weight_bytes(model) -> int:
@@ -530,11 +573,11 @@ def format_report(report: dict) -> str:
                    "collectives" for w, systems in report["results"].items()
                    for fig in [systems.get("minirt", {})] if "collective_s_per_step" in fig]
     table += "".join(f"\nminirt {line}" for line in collectives)
-    speculation = [f"{w}: acceptance rate {fig['acceptance_rate'] or 0:.2f} of {fig['spec_draft_tokens']} draft "
-                   f"tokens, {fig['tokens_per_target_forward']:.2f} tokens per target forward"
-                   for w, systems in report["results"].items()
-                   for fig in [systems.get("minirt", {})] if fig.get("tokens_per_target_forward")]
-    table += "".join(f"\nminirt speculative {line}" for line in speculation)
+    speculation = [f"{name} {w}: acceptance rate {fig['acceptance_rate'] or 0:.2f} of {fig['spec_draft_tokens']} "
+                   f"draft tokens, {fig['tokens_per_target_forward']:.2f} tokens per target forward"
+                   for w, systems in report["results"].items() for name, fig in systems.items()
+                   if fig.get("tokens_per_target_forward")]
+    table += "".join(f"\nspeculative {line}" for line in speculation)
     lines = [f"{d['name']} ({d['type']}, {d['num_threads']} threads, load {d['load_average_1min']:.1f}); {m['name']}, "
              f"{report['settings']['dtype']}, {m['weight_bytes'] / 1e9:.3f} GB of weights",
              f"copy bandwidth (read + write): {report['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s"]
@@ -546,6 +589,13 @@ def format_report(report: dict) -> str:
                       f"prompts, common prefix {v['prefix_agreement']:.0%}" for k, v in q.items()
                       if k.startswith("greedy_vs_")), "")
         lines.append(f"{name}: {q['weight_bytes'] / 1e9:.3f} GB read per batch-1 step{agree}")
+    for name, q in report.get("speculative", {}).items():
+        plan = q["engine_resolved"]
+        if q["speculative"] is not None:
+            agree = next((f"; greedy tokens equal to {k.removeprefix('greedy_vs_')}'s: {v['exact_match']:.0%} of "
+                          f"prompts" for k, v in q.items() if k.startswith("greedy_vs_")), "")
+            lines.append(f"{name}: k = {plan['num_speculative_tokens']}, drafting at a running batch <= "
+                         f"{plan['speculative_max_batch']}{agree}")
     return "\n".join(lines) + f"\n\n{table}\n\n{ratios}"
 
 
@@ -601,11 +651,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="minirt's decode steps per schedule when all requests decode (default: 8 with CUDA graphs, else 1)")
     for name, what in ON_OFF_SWITCHES:
         p.add_argument("--" + name.replace("_", "-"), choices=["auto", "on", "off"], default="auto", help=what)
-    p.add_argument("--speculative", choices=["ngram", "draft"], default=None,
-                   help="minirt with speculative decoding (chapter 11): n-gram prompt lookup or the draft model")
+    p.add_argument("--speculative", default=None,
+                   help="comma-separated none,ngram,draft: minirt once per entry, same checkpoint and prompts, with "
+                        "speculative decoding (chapter 11: n-gram prompt lookup or the draft model; none: without)")
     p.add_argument("--num-speculative-tokens", type=_positive_int, default=None,
-                   help="draft tokens per step with --speculative (default: 4)")
-    p.add_argument("--speculative-model", default=None, help="the draft checkpoint (default: minirt's draft model)")
+                   help="draft tokens per step of the --speculative entries (default: 4)")
+    p.add_argument("--speculative-model", default=None,
+                   help="the draft checkpoint of the --speculative draft entry (default: minirt's draft model)")
     return p
 
 
@@ -653,10 +705,13 @@ def engine_kwargs_of(args) -> dict:
         kwargs["num_scheduler_steps"] = args.num_scheduler_steps
     if args.tensor_parallel_size != 1:
         kwargs["tensor_parallel_size"] = args.tensor_parallel_size
-    for name in ("speculative", "num_speculative_tokens", "speculative_model"):
-        if getattr(args, name) is not None:
-            kwargs[name] = getattr(args, name)
     return kwargs
+
+
+def speculative_kwargs_of(args) -> dict:
+    """The settings of the `--speculative` entries given on the command line (`system_settings` applies them)."""
+    return {name: getattr(args, name) for name in ("num_speculative_tokens", "speculative_model")
+            if getattr(args, name) is not None}
 
 
 def quantizations_of(text: str | None) -> tuple[str | None, ...]:
@@ -669,6 +724,19 @@ def quantizations_of(text: str | None) -> tuple[str | None, ...]:
     bad = [n for n in names if n not in allowed]
     if bad or len(set(names)) != len(names):
         raise ValueError(f"quantization: a comma-separated list of distinct {allowed}, got {text!r}")
+    return tuple(None if n == "none" else n for n in names)
+
+
+def speculatives_of(text: str | None) -> tuple[str | None, ...]:
+    """`--speculative none,ngram,draft` -> (None, "ngram", "draft"), in the order given (None: (None,), no
+    speculation). Raises ValueError naming speculative for an unknown or repeated entry."""
+    if not text:
+        return (None,)
+    names = [part.strip() for part in text.split(",")]
+    allowed = ["none", *(m for m in SPECULATIVE_METHODS if m is not None)]
+    bad = [n for n in names if n not in allowed]
+    if bad or len(set(names)) != len(names):
+        raise ValueError(f"speculative: a comma-separated list of distinct {allowed}, got {text!r}")
     return tuple(None if n == "none" else n for n in names)
 
 
@@ -699,22 +767,31 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     workloads = ["throughput", "latency"] if args.workload == "all" else [args.workload]
-    engine_kwargs = engine_kwargs_of(args)
+    engine_kwargs, speculative_kwargs = engine_kwargs_of(args), speculative_kwargs_of(args)
     try:                   # checked before any model is built
         quantizations = quantizations_of(args.quantization)
+        speculatives = speculatives_of(args.speculative)
+        for name in speculative_kwargs:
+            wanted = ("draft",) if name == "speculative_model" else ("ngram", "draft")
+            if not set(wanted) & set(speculatives):
+                raise ValueError(f"{name}: set, but --speculative names no {' or '.join(map(repr, wanted))} entry")
         model_config = model_config_of(args.model, device)
         for quant in quantizations:
-            quantized = {} if quant is None else {"quantization": quant, "weight_block_size": args.weight_block_size}
-            resolve_plan(EngineConfig(**engine_kwargs, **quantized), device, model_config)
+            for drafter in speculatives:
+                settings = system_settings(engine_kwargs, quant, args.weight_block_size, drafter, speculative_kwargs)
+                resolve_plan(EngineConfig(**settings), device, model_config)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     report = bench(device, workloads, args.quick, args.model, baselines, args.seed, engine_kwargs,
-                   args.time_collectives, quantizations, args.weight_block_size)
+                   args.time_collectives, quantizations, args.weight_block_size, speculatives, speculative_kwargs)
     print(format_report(report))
     switches = [f"{k.replace('_', '-')}-{str(v).lower()}" for k, v in engine_kwargs.items()]  # non-default runs
     if quantizations != (None,):
         switches.append("quant-" + "-".join(str(q).lower() for q in quantizations))
+    if speculatives != (None,):
+        switches.append("spec-" + "-".join(str(d).lower() for d in speculatives))
+    switches += [f"{k.replace('_', '-')}-{v}" for k, v in speculative_kwargs.items() if k != "speculative_model"]
     parts = [device.type, "quick" if args.quick else "", "" if args.workload == "all" else args.workload,
              *switches, str(datetime.date.today())]
     write_report(report, args.out, args.name or "-".join(p for p in parts if p))

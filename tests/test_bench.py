@@ -346,3 +346,81 @@ def test_bench_refuses_bad_quantization_lists(text):
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"),
                           check=False)
     assert proc.returncode == 2 and "quantization: a comma-separated list of distinct" in proc.stderr, proc.stderr
+
+
+def test_bench_runs_speculation_beside_the_plain_engine_in_one_report(tmp_path):
+    """`--speculative none,ngram --num-speculative-tokens 3 --baselines none`: minirt twice on the same prompts, the
+    plain system first; k goes to the speculative system only; its greedy tokens equal the plain engine's (float32);
+    its drafting figures are reported, and its tok/s over the plain engine's is a ratio named by system on both
+    workloads, as the measured numbers give it."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", "--quick", "--threads", "1",
+                           "--baselines", "none", "--speculative", "none,ngram", "--num-speculative-tokens", "3",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    files = list(tmp_path.glob("cpu-quick-spec-none-ngram-num-speculative-tokens-3-*.json"))
+    assert len(files) == 1, list(tmp_path.iterdir())
+    report = json.loads(files[0].read_text())
+    spec = report["speculative"]
+    assert list(spec) == ["minirt", "minirt_ngram"] and "quantization" not in report
+    plain, ngram = spec["minirt"]["engine_resolved"], spec["minirt_ngram"]["engine_resolved"]
+    assert (plain["speculative"], plain["num_speculative_tokens"]) == (None, 0)
+    assert (ngram["speculative"], ngram["num_speculative_tokens"], ngram["speculative_max_batch"]) == ("ngram", 3, 32)
+    assert spec["minirt_ngram"]["greedy_vs_minirt"]["exact_match"] == 1.0
+    ratios = {(r["workload"], r["name"]): r for r in report["ratios"]}
+    for workload, systems in report["results"].items():
+        assert list(systems) == ["minirt", "minirt_ngram"]
+        assert "spec_drafts" not in systems["minirt"] and systems["minirt_ngram"]["spec_drafts"] >= 0
+        r = ratios[workload, "minirt_ngram:tokens_per_s_vs_minirt"]
+        assert r["value"] == pytest.approx(systems["minirt_ngram"]["output_tokens_per_s"]
+                                           / systems["minirt"]["output_tokens_per_s"])
+        assert r["target"] is None and r["status"] is None                  # the goal is the GPU's
+    assert "minirt_ngram: k = 3, drafting at a running batch <= 32" in proc.stdout
+    assert "minirt_ngram:tokens_per_s_vs_minirt" in proc.stdout
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--speculative", "eagle"], "speculative: a comma-separated list of distinct ['none', 'ngram', 'draft']"),
+    (["--speculative", "ngram,ngram"], "speculative: a comma-separated list of distinct"),
+    (["--speculative", "none,,ngram"], "speculative: a comma-separated list of distinct"),
+    (["--speculative", "none", "--num-speculative-tokens", "3"],
+     "num_speculative_tokens: set, but --speculative names no 'ngram' or 'draft' entry"),
+    (["--speculative", "none,ngram", "--speculative-model", "x"],
+     "speculative_model: set, but --speculative names no 'draft' entry")])
+def test_bench_refuses_bad_speculative_lists(argv, words, tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "minirt.bench", "--device", "cpu", "--quick", "--out", str(tmp_path),
+                           *argv], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, HF_HUB_OFFLINE="1"), check=False)
+    assert proc.returncode == 2 and words in proc.stderr, proc.stderr[-1000:]
+
+
+def test_variant_ratios_and_their_goals_on_cuda():
+    """Made-up figures: each variant's tok/s over plain minirt's on every workload; a speculative system's goal is
+    not to lose on the throughput workload (`SPEC_TARGETS`), a quantized one's are chapter 10's (`QUANT_TARGETS`),
+    a system that is both has none; the quantized ones' latency figures only for quantized systems."""
+    from minirt.bench import compute_ratios
+
+    def fig(tok_s, tpot=None):
+        return {"output_tokens_per_s": tok_s, "tpot_p50_s": tpot, "roofline_fraction": 0.5 if tpot else None}
+
+    results = {"throughput": {"minirt": fig(100.0), "minirt_ngram": fig(101.0), "minirt_fp8": fig(90.0),
+                              "minirt_fp8_ngram": fig(80.0)},
+               "latency": {"minirt": fig(10.0, 1e-3), "minirt_ngram": fig(8.0, 1.2e-3),
+                           "minirt_fp8": fig(12.0, 0.3e-3), "minirt_fp8_ngram": fig(9.0, 0.4e-3)}}
+    systems = {"minirt": {"quantization": None, "speculative": None},
+               "minirt_ngram": {"quantization": None, "speculative": "ngram"},
+               "minirt_fp8": {"quantization": "fp8", "speculative": None},
+               "minirt_fp8_ngram": {"quantization": "fp8", "speculative": "ngram"}}
+    ratios = {(r["workload"], r["name"]): r for r in compute_ratios(results, "cuda", systems)}
+    assert ratios["throughput", "minirt_ngram:tokens_per_s_vs_minirt"] == {
+        "workload": "throughput", "name": "minirt_ngram:tokens_per_s_vs_minirt", "value": pytest.approx(1.01),
+        "target": 1.0, "status": "PASS"}
+    assert ratios["latency", "minirt_ngram:tokens_per_s_vs_minirt"]["target"] is None
+    assert ("latency", "minirt_ngram:roofline_fraction") not in ratios
+    assert ratios["throughput", "minirt_fp8:tokens_per_s_vs_minirt"]["status"] == "MISS"
+    assert ratios["latency", "minirt_fp8:tpot_p50_s"]["status"] == "PASS"          # 0.30 ms, at most 0.40
+    assert ratios["latency", "minirt_fp8_ngram:tpot_p50_s"]["target"] is None
+    assert ratios["throughput", "minirt_fp8_ngram:tokens_per_s_vs_minirt"]["target"] is None
+    results["throughput"]["minirt_ngram"] = fig(99.0)
+    ratios = {(r["workload"], r["name"]): r for r in compute_ratios(results, "cuda", systems)}
+    assert ratios["throughput", "minirt_ngram:tokens_per_s_vs_minirt"]["status"] == "MISS"

@@ -4,6 +4,9 @@ Oracle: the switches' contract written out again here, independently of `RULES` 
 turns it on), checked on random settings and machines by hypothesis; and the messages users get on this CPU.
 """
 
+import dataclasses
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -122,6 +125,26 @@ def test_the_plan_keeps_the_contract_of_every_switch(cfg, machine):
         return
     plan = resolve_plan(cfg, torch.device(hw.device_type), hardware=hw)
     assert plan.as_dict() == want
+
+
+@settings(max_examples=300, deadline=None)
+@given(cfg=settings_strategy, machine=st.sampled_from(sorted(MACHINES)), k=st.sampled_from([None, 1, 4, 7]))
+def test_speculation_leaves_every_other_switch_as_the_plain_plan_has_it(cfg, machine, k):
+    """With `speculative` set, every switch resolves (or is refused) exactly as without it, overlap and async
+    scheduling included: the steps that draft nothing run them (`minirt.spec.engine`); only the speculative fields
+    differ. Oracle: the plain plan of the same settings, and k+1 rows x `speculative_max_batch` <= 128."""
+    hw, device = MACHINES[machine], torch.device(MACHINES[machine].device_type)
+    spec_cfg = dataclasses.replace(cfg, speculative="ngram", num_speculative_tokens=k)
+    try:
+        plain = resolve_plan(cfg, device, hardware=hw)
+    except ValueError as e:
+        with pytest.raises(ValueError, match="^" + re.escape(str(e).split(":")[0]) + ": "):
+            resolve_plan(spec_cfg, device, hardware=hw)
+        return
+    spec = resolve_plan(spec_cfg, device, hardware=hw)
+    k = k or 4
+    assert spec == dataclasses.replace(plain, speculative="ngram", num_speculative_tokens=k,
+                                       speculative_max_batch=128 // (k + 1))
 
 
 def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():

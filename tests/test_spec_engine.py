@@ -10,6 +10,7 @@ the plain engine's own output where a tokenizer is needed (stop strings), and `S
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 
@@ -393,22 +394,21 @@ def test_the_plan_resolves_speculation():
     assert (plan.speculative, plan.num_speculative_tokens, plan.speculative_max_batch) == ("draft", 7, 16)
     off = resolve_plan(EngineConfig(), cpu)
     assert (off.speculative, off.num_speculative_tokens, off.speculative_max_batch) == (None, 0, 0)
-    # on a Hopper, overlap and async scheduling (on by default there) go off; graphs and multi-step decode stay
+    # on a Hopper everything of the plain plan stays: graphs, multi-step decode, overlap and async scheduling
     hopper = resolve_plan(EngineConfig(), torch.device("cuda"), hardware=HOPPER)
     assert hopper.num_scheduler_steps == 8 and hopper.overlap_scheduling and hopper.async_scheduling
     spec = resolve_plan(EngineConfig(speculative="ngram"), torch.device("cuda"), hardware=HOPPER)
-    assert spec.num_scheduler_steps == 8 and not spec.overlap_scheduling and not spec.async_scheduling
-    assert spec.cuda_graphs and spec.piecewise_graphs and spec.speculative == "ngram"
+    assert spec == dataclasses.replace(hopper, speculative="ngram", num_speculative_tokens=4, speculative_max_batch=25)
+    # asked for by name with speculation, they run (on the CPU overlap needs bursts: num_scheduler_steps > 1)
+    asked = resolve_plan(EngineConfig(speculative="ngram", async_scheduling=True, overlap_scheduling=True,
+                                      num_scheduler_steps=4), torch.device("cpu"))
+    assert asked.async_scheduling and asked.overlap_scheduling and asked.num_scheduler_steps == 4
 
 
-@pytest.mark.parametrize("setting, value", [("tensor_parallel_size", 2), ("async_scheduling", True),
-                                            ("overlap_scheduling", True)])
-def test_the_plan_refuses_what_does_not_combine_by_name(setting, value):
+def test_the_plan_refuses_speculation_with_tensor_parallelism_by_name():
     for device, hw in (("cpu", None), ("cuda", HOPPER)):
-        with pytest.raises(ValueError, match=rf"^{'speculative' if setting == 'tensor_parallel_size' else setting}: "
-                                             r".*(speculative|tensor_parallel_size)") as e:
-            resolve_plan(EngineConfig(speculative="ngram", **{setting: value}), torch.device(device), hardware=hw)
-        assert "speculative" in str(e.value) and setting in str(e.value)
+        with pytest.raises(ValueError, match=r"^speculative: .*tensor_parallel_size=1 \(got 2"):
+            resolve_plan(EngineConfig(speculative="ngram", tensor_parallel_size=2), torch.device(device), hardware=hw)
 
 
 def test_large_batches_draft_nothing(tiny_models):
@@ -464,3 +464,265 @@ def test_steps_that_draft_nothing_run_bursts_of_multi_step_decode(tiny_models):
     stats = llm.engine.stats()
     assert stats["num_steps"] > len(steps)                      # some engine steps were bursts
     assert stats["spec_num_accepted_tokens"] > 0 and stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+# ------------------------------------------------------------------------------------------------ with overlap and async
+# Steps that draft nothing (a running batch above `max_batch`, or no draft proposed) run as the plain engine's step
+# function runs them: bursts launched before the one before is taken (overlap scheduling) and steps with prefill
+# chunks launched before the one before is taken (async scheduling). A drafting step first takes what is in flight.
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+MAX_STEPS = 2000                    # far more than any of these loads takes: a step that makes no progress fails
+
+
+class InFlight:
+    """A spy on the fast runner: what it has launched and not handed back yet (bursts: `start_decode_steps`,
+    `continue_decode_steps` -> `finish_decode_steps`; single steps: `launch_step` -> `finish_step`), so independent of
+    the engine's own bookkeeping. For each engine step (`step_fn`) it notes the running batch at its start, the
+    decision point; `behind` lists ("burst" or "step", that batch) for every launch made while another was in flight
+    (overlap and async scheduling at work), `verified` (that batch, launched and not taken, drafts) for every
+    verification. Checks the scheduler's invariants after every step."""
+
+    def __init__(self, llm):
+        engine = self.engine = llm.engine
+        runner, speculation = engine.model_runner, engine.speculation
+        self.pending, self.behind, self.verified, self.at_start = [], [], [], 0
+        self.preempted_in_flight = 0
+        start, cont, finish = runner.start_decode_steps, runner.continue_decode_steps, runner.finish_decode_steps
+        launch, finish_step, verify = runner.launch_step, runner.finish_step, speculation.verify
+        preempt, step_fn = engine.scheduler.preempt, engine.step_fn
+
+        def starting(items, num_steps):
+            return self.launched(start(items, num_steps), None)
+
+        def continuing(burst, num_steps):
+            assert any(p is burst for p in self.pending)
+            return self.launched(cont(burst, num_steps), "burst")
+
+        def launching(items, previous=None):
+            assert previous is None or any(p is previous for p in self.pending)
+            return self.launched(launch(items, previous), None if previous is None else "step")
+
+        def verifying(batch):
+            drafts = len(engine.scheduler.drafts)
+            self.verified.append((self.at_start, len(self.pending), drafts))
+            return verify(batch)
+
+        def preempting(request):
+            self.preempted_in_flight += bool(self.pending)
+            return preempt(request)
+
+        def stepping():
+            self.at_start = len(engine.running_requests)
+            progress = step_fn()
+            engine.scheduler.check_invariants()
+            return progress
+
+        runner.start_decode_steps, runner.continue_decode_steps = starting, continuing
+        runner.finish_decode_steps = lambda burst: finish(self.taken(burst))
+        runner.launch_step, runner.finish_step = launching, lambda step: finish_step(self.taken(step))
+        speculation.verify, engine.scheduler.preempt, engine.step_fn = verifying, preempting, stepping
+
+    def launched(self, work, behind: str | None):
+        if behind is not None:
+            self.behind.append((behind, self.at_start))
+        self.pending.append(work)
+        return work
+
+    def taken(self, work):
+        self.pending = [p for p in self.pending if p is not work]
+        return work
+
+    def check(self, max_batch: int, at_least: int = 2) -> None:
+        """Every verification ran with nothing in flight, at a batch of 1..max_batch, with drafts; bursts and steps
+        with prefill chunks were launched behind another (`at_least` of each) in steps above max_batch (and with no
+        request running, where no step drafts), never in a step that might draft."""
+        assert self.verified and all(pending == 0 and 0 < batch <= max_batch and drafts > 0
+                                     for batch, pending, drafts in self.verified), self.verified
+        assert all(b == 0 or b > max_batch for _, b in self.behind), self.behind
+        for kind in ("burst", "step"):
+            assert sum(k == kind and b > max_batch for k, b in self.behind) >= at_least, (kind, self.behind)
+
+
+class GreedyTruth(TruthProposer):
+    """`TruthProposer` for greedy requests; a sampled request is never drafted."""
+
+    def propose(self, requests, num_tokens):
+        return [super(GreedyTruth, self).propose([r], [k])[0] if r.params.greedy else []
+                for r, k in zip(requests, num_tokens)]
+
+
+def drive(llm, waves, params_of, max_batch: int) -> list:
+    """Submit `waves[0]`, step the engine, and submit each next wave once the running batch has come down to
+    `max_batch` or below after being above it (or the engine is idle); returns the requests in submission order."""
+    engine = llm.engine
+    requests = [engine._add_request(p, params_of(p)) for p in waves[0]]
+    waves, above = list(waves[1:]), False
+    for _ in range(MAX_STEPS):
+        if not (engine.scheduler.has_work() or waves):
+            return requests
+        running = len(engine.running_requests)
+        above = above or running > max_batch
+        if waves and ((above and running <= max_batch) or not engine.scheduler.has_work()):
+            requests += [engine._add_request(p, params_of(p)) for p in waves.pop(0)]
+            above = False
+        assert engine.step_fn()
+    raise AssertionError(f"not done after {MAX_STEPS} engine steps")
+
+
+def build_overlapped(path, device: str, how: str, k: int = 3, **settings) -> minirt.LLM:
+    """An LLM with n-gram speculation, bursts of 4 decode steps, overlap and async scheduling: on CUDA with the
+    rest of the plan's defaults ("graphs": CUDA graphs, piecewise graphs, the Triton kernels); on the CPU the fast
+    runner eagerly ("eager"), or its decode steps through the decode graphs' static buffers ("static buffers")."""
+    settings = dict(speculative="ngram", num_speculative_tokens=k, async_scheduling=True, **settings)
+    if how == "static buffers":
+        from test_cuda_graphs import padded_engine
+
+        return padded_engine(path, num_scheduler_steps=4, **settings)
+    settings = {"num_kv_blocks": 1024, **settings} if device == "cuda" else settings
+    return minirt.LLM(path, device=device, dtype=torch.float32, block_size=4, num_scheduler_steps=4, **settings)
+
+
+CASES = [(d, h) for d in DEVICES for h in (["eager", "static buffers"] if d == "cpu" else ["graphs"])]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device, how", CASES)
+def test_greedy_equals_transformers_as_the_batch_crosses_max_batch(tiny_models, device, how):
+    """Requests arrive in three waves, each admitted in chunks of at most 5 tokens under a budget of 16 while
+    earlier ones decode, and end one after another: the running batch crosses `max_batch` (3) upwards and downwards
+    several times. Above it the steps run bursts and prefill chunks launched behind the step in flight; at or below
+    it they verify drafts, with nothing in flight. Every request gets transformers' tokens, and every block is free
+    at the end."""
+    path, max_batch = tiny_models["qwen3"], 3
+    rng = random.Random(31)
+    prompts = prompts_for(31, 14)
+    ns = {tuple(p): rng.randrange(6, 30) for p in prompts}
+    truth = greedy_truth(path, prompts, 30)
+    llm = build_overlapped(path, device, how, max_num_seqs=6, max_num_batched_tokens=16, max_prefill_chunk=5)
+    llm.engine.speculation.proposer = proposer = TruthProposer(truth, corrupt=0.3)
+    llm.engine.scheduler.on_remove = proposer.remove
+    llm.engine.speculation.max_batch = max_batch
+    spy = InFlight(llm)
+    requests = drive(llm, [prompts[:7], prompts[7:11], prompts[11:]],
+                     lambda p: SamplingParams(max_new_tokens=ns[tuple(p)], ignore_eos=True), max_batch)
+    for r in requests:
+        want = truth[tuple(r.prompt_token_ids)][:r.params.max_new_tokens]
+        assert r.output_token_ids == want and r.finish_reason == "length", r.request_id
+    spy.check(max_batch)
+    stats = llm.engine.stats()
+    assert stats["spec_num_accepted_tokens"] > 0 and stats["num_steps"] > len(spy.verified)
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and not proposer.live
+
+
+def test_seeded_sampling_draws_as_without_speculation_where_nothing_is_drafted(tiny_models):
+    """Seeded sampled requests that are never drafted, beside greedy ones that are, as the batch crosses
+    `max_batch`: each sampled request draws exactly the tokens it draws from the plain engine of the same settings
+    (bursts, overlap and async scheduling alike), in the steps that run as the plain engine's and in verification
+    steps beside drafted requests; each greedy one gets transformers' tokens."""
+    path, max_batch = tiny_models["qwen2"], 2
+    prompts = prompts_for(33, 12)
+    truth = greedy_truth(path, prompts, 30)
+    params = [SamplingParams(max_new_tokens=30 - i, ignore_eos=True) if i % 3 == 0 else
+              SamplingParams(max_new_tokens=6 + 2 * i, ignore_eos=True, temperature=0.7 + 0.1 * i, top_k=i % 4 * 5,
+                             top_p=0.9 if i % 2 else 1.0, seed=100 + i) for i in range(len(prompts))]
+    of = {tuple(p): sp for p, sp in zip(prompts, params)}
+    kw = dict(max_num_seqs=5, max_num_batched_tokens=12, max_prefill_chunk=4)
+    llm = build_overlapped(path, "cpu", "eager", **kw)
+    llm.engine.speculation.proposer = proposer = GreedyTruth(truth, corrupt=0.3)
+    llm.engine.scheduler.on_remove = proposer.remove
+    llm.engine.speculation.max_batch = max_batch
+    spy = InFlight(llm)
+    verify, beside = llm.engine.speculation.verify, []
+    llm.engine.speculation.verify = lambda batch: beside.append(
+        sum(not r.params.greedy for r, _ in batch.items)) or verify(batch)
+    got = drive(llm, [prompts[:5], prompts[5:9], prompts[9:]], lambda p: of[tuple(p)], max_batch)
+    plain = minirt.LLM(path, device="cpu", dtype=torch.float32, block_size=4, num_scheduler_steps=4,
+                       async_scheduling=True, **kw).generate(prompts, params)
+    assert [r.output_token_ids for r in got] == [o.token_ids for o in plain]
+    for p, r in zip(prompts, got):
+        if r.params.greedy:
+            assert r.output_token_ids == truth[tuple(p)][:r.params.max_new_tokens]
+    spy.check(max_batch)
+    assert any(beside), beside                       # sampled requests verified beside drafted ones
+    stats = llm.engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("device", DEVICES)
+def test_aborts_and_preemption_while_a_step_is_in_flight(tiny_models, device):
+    """A pool small enough to preempt, and requests aborted while a step or burst that computes them is in flight
+    (after an engine step that left it launched): the others still get transformers' tokens, an aborted one a prefix
+    of them, the bookkeeping holds after every step, and every block is free at the end."""
+    path, max_batch = tiny_models["llama"], 1
+    prompts = prompts_for(35, 16)
+    truth = greedy_truth(path, prompts, 18)
+    llm = build_overlapped(path, device, "eager" if device == "cpu" else "graphs", max_num_seqs=8,
+                           max_num_batched_tokens=12, max_prefill_chunk=5, num_kv_blocks=20)
+    engine = llm.engine
+    engine.speculation.proposer = proposer = TruthProposer(truth, corrupt=0.3)
+    engine.scheduler.on_remove = proposer.remove
+    engine.speculation.max_batch = max_batch
+    spy = InFlight(llm)
+    requests = [engine._add_request(p, SamplingParams(max_new_tokens=18, ignore_eos=True)) for p in prompts]
+    aborted, chances = [], 0
+    for _ in range(MAX_STEPS):
+        if not engine.scheduler.has_work():
+            break
+        assert engine.step_fn()
+        in_flight = [r for work in spy.pending for r in work.requests if not r.is_finished]
+        chances += bool(in_flight)
+        if in_flight and chances % 3 == 0 and len(aborted) < 4:     # the step in flight computes it
+            aborted.append(in_flight[-1])
+            assert engine.abort(in_flight[-1].request_id)
+            engine.scheduler.check_invariants()
+    assert not engine.scheduler.has_work()
+    assert len(aborted) == 4 and engine.scheduler.num_preemptions > 0 and spy.preempted_in_flight > 0
+    for r in requests:
+        want = truth[tuple(r.prompt_token_ids)]
+        if r in aborted:
+            assert r.finish_reason == "abort" and r.output_token_ids == want[:len(r.output_token_ids)]
+        else:
+            assert r.finish_reason == "length" and r.output_token_ids == want, r.request_id
+    spy.check(max_batch)
+    stats = engine.stats()
+    assert stats["num_free_blocks"] == stats["num_total_blocks"] and not engine.requests and not proposer.live
+
+
+def test_the_draft_model_catches_up_after_overlapped_bursts():
+    """The draft model (a drafter with a KV cache of its own) beside bursts, overlap and async scheduling, in a pool
+    that preempts: between its drafting steps the requests gain whole bursts of tokens it has not seen, and it
+    catches up from their tokens; the output equals the plain engine's and every block of both is free at the end."""
+    prompts = ["ROMEO:\nWhat light through yonder window breaks", "To be, or not to be, that is the question",
+               "Of man's first disobedience, and the fruit", "KING HENRY:\nOnce more unto the breach"] * 3
+    params = SamplingParams(max_new_tokens=40)
+    plain = minirt.LLM(minirt.DEFAULT_MODEL, block_size=4).generate(prompts, params)
+    llm = minirt.LLM(minirt.DEFAULT_MODEL, block_size=4, num_kv_blocks=60, speculative="draft",
+                     num_speculative_tokens=4, num_scheduler_steps=4, async_scheduling=True,
+                     max_num_batched_tokens=64, max_prefill_chunk=16)
+    llm.engine.speculation.max_batch = 4
+    spy = InFlight(llm)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    spy.check(4, at_least=1)
+    stats, drafter = llm.engine.stats(), llm.engine.speculation.proposer
+    assert stats["num_preemptions"] > 0 and stats["spec_num_accepted_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert drafter.pool.num_free_blocks == drafter.pool.num_blocks
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_with_speculation_taking_a_bursts_tokens_does_not_wait_for_the_next_burst(tiny_models):
+    """On the GPU, above `max_batch`: the host takes a burst's tokens while the GPU runs the burst launched after
+    it, as without speculation (tests/test_multi_step.py's test of the same name)."""
+    from conftest import hold_the_gpu_after
+
+    path = tiny_models["llama"]
+    llm = minirt.LLM(path, device="cuda", dtype=torch.float32, block_size=4, max_num_seqs=4, num_kv_blocks=256,
+                     speculative="ngram")
+    assert llm.engine.plan.overlap_scheduling and llm.engine.plan.async_scheduling
+    llm.engine.speculation.max_batch = 1
+    seen = hold_the_gpu_after(llm.engine.model_runner, "continue_decode_steps", "finish_decode_steps")
+    prompts = prompts_for(37, 3)
+    outs = llm.generate(prompts, SamplingParams(max_new_tokens=30, ignore_eos=True))
+    assert [o.token_ids for o in outs] == [hf_greedy(path, p, 30) for p in prompts]
+    assert seen == [False], "taking the burst's tokens waited for the work launched after it"

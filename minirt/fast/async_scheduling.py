@@ -14,7 +14,9 @@ multi-step decode. Blocks stay safe: everything that reuses a freed block is lau
 write it, on the same stream.
 
 Only steps with a prefill chunk of two or more tokens are launched this way; the others (decodes, which bursts or the
-decode graphs run from the host's tokens) first wait for the step in flight. On with piecewise graphs (`RULES`).
+decode graphs run from the host's tokens) first wait for the step in flight. A step that needs every token on the host
+before it is scheduled (chapter 11's drafting step, `minirt.spec.engine`) first takes the step in flight and
+launches nothing after it (`drain`). On with piecewise graphs (`RULES`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ def has_long_chunk(batch: ScheduledBatch) -> bool:
 
 class AsyncSteps:
     """The engine's single step with async scheduling: `step()` as `Engine.step` (False if nothing was
-    scheduled), leaving a step with prefill chunks in flight; `busy` while one is."""
+    scheduled), leaving a step with prefill chunks in flight; `busy` while one is; `drain()` takes it."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -47,6 +49,17 @@ class AsyncSteps:
         except BaseException:
             self.in_flight = None        # the engine fails every request; nothing stays in flight
             raise
+
+    def drain(self) -> bool:
+        """Take the step in flight as `step` takes it, and launch nothing after it: then every token is on the host.
+        False if none was in flight."""
+        if self.in_flight is None:
+            return False
+        batch, running = self.in_flight
+        self.in_flight = None
+        self.engine.postprocess(batch, [], [], time.perf_counter())     # its computed tokens; its sampled ones below
+        self._take(batch, running)
+        return True
 
     def _step(self) -> bool:
         engine, scheduler, runner = self.engine, self.engine.scheduler, self.engine.model_runner

@@ -6,8 +6,9 @@ loads, so that a switch that cannot run is refused by name first. Then it builds
 swapped into the model, its attention kernels and CUDA graphs, `minirt.fast.runner`), its scheduler
 (`minirt.fast.multi_step.BurstScheduler` with multi-step decode) and its step (`choose_step`: bursts of decode
 steps, overlap and async scheduling; with the plan's `speculative`, chapter 11's scheduler and step,
-`minirt.spec.engine`). `Engine.step`, the step chapter 05 shows, is never replaced; the step the loop
-runs is stored apart, in `step_fn` (as vLLM v1 keeps `step` and its `step_fn`).
+`minirt.spec.engine`, which runs the steps that draft nothing as those). `Engine.step`, the step chapter 05
+shows, is never replaced; the step the loop runs is stored apart, in `step_fn` (as vLLM v1 keeps `step` and its
+`step_fn`).
 """
 
 from __future__ import annotations
@@ -68,21 +69,26 @@ class FastEngine(Engine):
     def choose_step(self):
         """`Engine.step` where the plan runs single steps; with `async_scheduling`, `AsyncSteps.step`; with
         multi-step decode, `BurstSteps.step` (or `BurstSteps.overlapped_step`, with overlap scheduling), whose
-        single steps are one of those two; with speculative decoding (which the plan runs without overlap and async
-        scheduling), `SpeculativeSteps.step` (`minirt.spec.engine`; bursts in the steps that draft nothing), kept in
-        `speculation`."""
-        if self.plan.speculative is not None:
-            from minirt.spec.engine import SpeculativeSteps
-            from minirt.spec.proposer import build_proposer
-
-            self.speculation = SpeculativeSteps(self, build_proposer(self), self.plan.num_speculative_tokens,
-                                                self.plan.speculative_max_batch)
-            return self.speculation.step
+        single steps are one of those two. With speculative decoding, `SpeculativeSteps.step` (`minirt.spec.engine`,
+        kept in `speculation`), which runs each step that drafts nothing as that same function (overlap and async
+        scheduling included), and before a drafting step takes what it left in flight (`BurstSteps.drain`,
+        `AsyncSteps.drain`)."""
         async_steps = AsyncSteps(self) if self.plan.async_scheduling else None
-        if self.plan.num_scheduler_steps == 1:
-            return self.step if async_steps is None else async_steps.step
-        bursts = BurstSteps(self, async_steps)
-        return bursts.overlapped_step if self.plan.overlap_scheduling else bursts.step
+        bursts = BurstSteps(self, async_steps) if self.plan.num_scheduler_steps > 1 else None
+        if bursts is not None:
+            step = bursts.overlapped_step if self.plan.overlap_scheduling else bursts.step
+        else:
+            step = self.step if async_steps is None else async_steps.step
+        if self.plan.speculative is None:
+            return step
+        from minirt.spec.engine import SpeculativeSteps
+        from minirt.spec.proposer import build_proposer
+
+        in_flight = bursts or async_steps                  # what `step` may leave in flight (None: nothing ever)
+        self.speculation = SpeculativeSteps(self, build_proposer(self), self.plan.num_speculative_tokens,
+                                            self.plan.speculative_max_batch, step,
+                                            in_flight.drain if in_flight is not None else None)
+        return self.speculation.step
 
     def load_model(self, path):
         """Chapter 00's model for float weights; with `plan.quantization` (chapter 10, `minirt.quant`), a

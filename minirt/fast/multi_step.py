@@ -7,7 +7,8 @@ Overlap scheduling (the plan's `overlap_scheduling`; SGLang's overlap scheduler,
 burst runs, the host has nothing to do but wait for its tokens, and while the host takes them (postprocess) and
 prepares the next burst, the GPU has nothing to do. When the next burst would run the same requests, it is launched
 first, from the inputs the running burst leaves on the device (`BurstScheduler.decode_steps_after`); then the host
-reads the running burst's tokens while the GPU works on the next."""
+reads the running burst's tokens while the GPU works on the next. A step that needs every token on the host first
+(chapter 11's drafting step) takes the burst in flight and launches none after it (`BurstSteps.drain`)."""
 
 from __future__ import annotations
 
@@ -89,7 +90,8 @@ class BurstSteps:
     and a single step otherwise; `overlapped_step()` does the same with overlap scheduling (see the module
     docstring). The single steps are `Engine.step`, or with the plan's `async_scheduling` `async_steps.step`
     (`minirt.fast.async_scheduling.AsyncSteps`), and a burst waits for the single step in flight to be taken
-    first. Both return False if nothing was scheduled, as `Engine.step` does."""
+    first. Both return False if nothing was scheduled, as `Engine.step` does. `drain()` takes whatever either
+    left in flight and launches nothing after it."""
 
     def __init__(self, engine, async_steps=None):
         self.engine, self.async_steps = engine, async_steps
@@ -137,6 +139,17 @@ class BurstSteps:
             raise
         self.in_flight = (batch, following) if following is not None else None
         self.take_tokens(batch, requests, token_steps)
+        return True
+
+    def drain(self) -> bool:
+        """Take the tokens of what is in flight, a burst (overlap scheduling) or a single step (async scheduling), as
+        the next step would, and launch nothing after it: then every token is on the host, as a step that drafts
+        from them needs (chapter 11, `minirt.spec.engine`). False if nothing was in flight."""
+        if self.in_flight is None:
+            return self.async_steps is not None and self.async_steps.drain()
+        batch, burst = self.in_flight
+        self.in_flight = None
+        self.take_tokens(batch, *self.engine.model_runner.finish_decode_steps(burst))
         return True
 
     def take_tokens(self, batch: ScheduledBatch, requests, token_steps: list[list[int]]) -> None:

@@ -71,6 +71,8 @@ class Plan:
     Chapter 11's (`minirt.spec`): speculative: the drafter's name or None; num_speculative_tokens: k;
     speculative_max_batch: the running batch above which a step drafts nothing; verify_graphs: verification steps
     (k + 1 rows per running request, no prefill chunk) replay CUDA graphs (`minirt.fast.runner.build_verify_graphs`).
+    The other switches resolve as without speculation, and the steps that draft nothing run them all, overlap and
+    async scheduling included.
     """
 
     attention_backend: str = "torch"
@@ -196,14 +198,6 @@ def _bursts(r: _Resolution) -> list[str]:
     return [_Off("num_scheduler_steps > 1", r.why_off["num_scheduler_steps"])]
 
 
-def _no_speculation(r: _Resolution) -> list[str]:
-    """What overlap and async scheduling lack under speculative decoding: steps whose rows are known before the one
-    before has been taken (a verification's accepted length is known only after it)."""
-    if not r.on["speculative"]:
-        return []
-    return ["speculative=None (speculative decoding is on: a verification's accepted length is known only after it)"]
-
-
 def _speculation_in_one_process(r: _Resolution) -> list[str]:
     """What speculative decoding lacks under chapter 09's tensor-parallel runner (its ranks run single-token steps
     with no verification rows and no rollback)."""
@@ -258,7 +252,7 @@ RULES: tuple[Rule, ...] = (
          lambda r: max(1, SPECULATIVE_MAX_TOKENS // (r.on["num_speculative_tokens"] + 1)),
          f"while the running batch x (k+1) <= {SPECULATIVE_MAX_TOKENS} tokens", field="speculative",
          asked=lambda v: None),
-    # (with speculation, bursts run in the steps that draft nothing: a batch above speculative_max_batch)
+    # (with speculation, the steps that draft nothing run as without it: bursts, overlap and async scheduling)
     Rule("num_scheduler_steps", "multi-step decode", _one_process, lambda r: 8 if _graphs(r) else 1,
          "8 with CUDA graphs, else 1"),
     Rule("norm_in_gemv", "the GEMV's norm prologue",
@@ -278,15 +272,17 @@ RULES: tuple[Rule, ...] = (
     Rule("l2_prefetch", "the bulk prefetch into L2",
          lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections"), *_float_weights(r)],
          lambda r: bool(r.on["pdl"]), "with the GEMV kernel, merged projections and PDL"),
-    Rule("overlap_scheduling", "launching the next burst before taking this one's tokens",
-         lambda r: _no_speculation(r) + _bursts(r), lambda r: True,
+    # With speculation as without it: a drafting step (whose rows are known only from every token before it) first
+    # takes what is in flight and launches nothing after it (`minirt.spec.engine`); the other steps overlap.
+    Rule("overlap_scheduling", "launching the next burst before taking this one's tokens", _bursts, lambda r: True,
          "with multi-step decode"),
     Rule("piecewise_graphs", "piecewise CUDA graphs for steps with prefill chunks", lambda r: r.need("cuda_graphs"),
          lambda r: True, "with CUDA graphs"),
     # auto: on with piecewise graphs (benchmarks/results/h200/ab-async-scheduling.json: throughput and TTFT both
-    # better, once the sampler no longer made each launch wait for the step it launched).
+    # better, once the sampler no longer made each launch wait for the step it launched). With speculation as with
+    # overlap scheduling: a drafting step takes the step in flight first.
     Rule("async_scheduling", "launching a step with prefill chunks before taking the tokens of the one before",
-         lambda r: _one_process(r) + _no_speculation(r), lambda r: bool(r.on["piecewise_graphs"]), "with piecewise CUDA graphs"),
+         _one_process, lambda r: bool(r.on["piecewise_graphs"]), "with piecewise CUDA graphs"),
     Rule("silu_and_mul_kernel", "the Triton SiLU-and-multiply kernel", lambda r: list(r.hw.triton), _cuda,
          "on CUDA where Triton runs"),
     Rule("rotary_cache", "cos and sin looked up per position", lambda r: [], _cuda, "on CUDA"),

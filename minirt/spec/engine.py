@@ -2,12 +2,15 @@
 keep what the acceptance rule keeps, roll the KV blocks back.
 
 Each engine step (`SpeculativeSteps.step`, which `minirt.fast.FastEngine.choose_step` picks when the plan's
-`speculative` is set):
+`speculative` is set) first decides, from the state, whether it drafts: only while the running batch is at most the
+plan's `speculative_max_batch` (above it, verifying k+1 rows of every request costs more than it saves once the step
+is no longer bound by reading the weights). A step that drafts nothing (a larger batch, or no draft proposed) runs
+exactly as the plain engine's step function runs it (`plain_step`: chapter 07's bursts of multi-step decode, overlap
+and async scheduling where the plan has them), and may leave work in flight. A drafting step continues every
+request's tokens, so they must all be on the host: what the plain steps left in flight is taken first, launching
+nothing after it (`drain`, a step of its own). Then:
 
-1. **draft**: the drafter (`minirt.spec.proposer`) proposes up to k tokens for each running request, while the
-   running batch is at most the plan's `speculative_max_batch` (above it a step drafts nothing: verifying k+1 rows
-   of every request costs more than it saves once the step is no longer bound by reading the weights; with
-   multi-step decode in the plan such steps run as bursts, `minirt.fast.multi_step`);
+1. **draft**: the drafter (`minirt.spec.proposer`) proposes up to k tokens for each running request;
 2. **schedule** (`SpeculativeScheduler.schedule`, chapter 06's rules): a running request with a draft of m tokens
    computes m+1 rows, its last token and the draft, positions `num_computed_tokens ..` (prefill-like rows of one
    sequence); the token budget counts them all. The last token's slot is made as chapter 06 makes a decode's
@@ -28,17 +31,19 @@ Each engine step (`SpeculativeSteps.step`, which `minirt.fast.FastEngine.choose_
 
 vLLM v1 runs the same loop (`SpecDecodeMetadata`, its `RejectionSampler`, the scheduler's `spec_token_ids`
 counted in the token budget), drafting after the forward for the next step; here the draft is made at the start of
-the step from the tokens the request has.
+the step from the tokens the request has, which is why a drafting step waits for the steps in flight while the
+others overlap (vLLM's `disable_by_batch_size` turns drafting off by batch size the same way).
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 
 from minirt.config import cdiv
-from minirt.fast.multi_step import BurstScheduler, BurstSteps
+from minirt.fast.multi_step import BurstScheduler
 from minirt.request import Request, RequestStatus
 from minirt.sampling import filter_logits
 from minirt.scheduler import ScheduledBatch, split_budget
@@ -123,18 +128,20 @@ class SpeculativeScheduler(BurstScheduler):
 class SpeculativeSteps:
     """The engine's step with speculative decoding (see the module docstring): `step()` returns False if nothing
     was scheduled, as `Engine.step` does. `proposer`: the drafter; `num_speculative_tokens`: k;
-    `max_batch`: the running batch above which no step drafts. Counts, since the engine started: `num_drafts`
-    (verified drafts, one per request and step), `num_draft_tokens` (their tokens), `num_accepted_tokens` (those the
-    acceptance rule kept, before stop checks), `num_target_forwards` (a request sampled in a step, draft or none)
-    and `num_emitted_tokens` (the tokens those gave, before stop checks): their ratio is the tokens per target
-    forward."""
+    `max_batch`: the running batch above which no step drafts; `plain_step`: the plain engine's step function, which
+    runs the steps that draft nothing (default `Engine.step`); `drain`: takes what `plain_step` left in flight and
+    launches nothing after it, False if nothing was (`BurstSteps.drain`, `AsyncSteps.drain`; default: nothing is
+    ever in flight). Counts, since the engine started: `num_drafts` (verified drafts, one per request and step),
+    `num_draft_tokens` (their tokens), `num_accepted_tokens` (those the acceptance rule kept, before stop checks),
+    `num_target_forwards` (a request sampled in a verification step, draft or none) and `num_emitted_tokens` (the
+    tokens those gave, before stop checks): their ratio is the tokens per target forward."""
 
-    def __init__(self, engine, proposer: Proposer, num_speculative_tokens: int, max_batch: int):
+    def __init__(self, engine, proposer: Proposer, num_speculative_tokens: int, max_batch: int,
+                 plain_step: Callable[[], bool] | None = None, drain: Callable[[], bool] | None = None):
         self.engine, self.proposer = engine, proposer
         self.k, self.max_batch = num_speculative_tokens, max_batch
-        #: With multi-step decode in the plan: the steps that draft nothing (a batch above `max_batch`) run as
-        #: `BurstSteps.step` runs them, bursts where the scheduler grants them, else `Engine.step`.
-        self.bursts = BurstSteps(engine) if engine.scheduler.max_steps > 1 else None
+        self.plain_step = plain_step or engine.step
+        self.drain = drain or (lambda: False)
         self.num_drafts = self.num_draft_tokens = self.num_accepted_tokens = 0
         self.num_target_forwards = self.num_emitted_tokens = 0
         engine.scheduler.on_remove = proposer.remove
@@ -145,15 +152,21 @@ class SpeculativeSteps:
                 self.num_target_forwards, "spec_num_emitted_tokens": self.num_emitted_tokens}
 
     def drafting(self) -> bool:
-        """Whether this step drafts: some request runs, and at most `max_batch` do."""
+        """Whether this step may draft: some request runs, and at most `max_batch` do."""
         return 0 < len(self.engine.scheduler.running_requests) <= self.max_batch
 
     def step(self) -> bool:
+        """One engine step: `plain_step` where it may not draft; else `drain` if something is in flight (a step of
+        its own), else draft, schedule, verify and postprocess (`plain_step` if no draft was proposed)."""
+        if not self.drafting():
+            return self.plain_step()
+        if self.drain():                   # the drafts continue every token: those in flight are taken first
+            return True
         engine, scheduler = self.engine, self.engine.scheduler
-        if self.bursts is not None and not self.drafting():
-            return self.bursts.step()
         try:
             self.draft()
+            if not scheduler.drafts:       # nothing to verify: a plain step, bursts and overlap included
+                return self.plain_step()
             batch = scheduler.schedule()
             if not batch:
                 return False
