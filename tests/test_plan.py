@@ -132,19 +132,27 @@ def test_the_plan_keeps_the_contract_of_every_switch(cfg, machine):
 def test_speculation_leaves_every_other_switch_as_the_plain_plan_has_it(cfg, machine, k):
     """With `speculative` set, every switch resolves (or is refused) exactly as without it, overlap and async
     scheduling included: the steps that draft nothing run them (`minirt.spec.engine`); only the speculative fields
-    differ. Oracle: the plain plan of the same settings, and k+1 rows x `speculative_max_batch` <= 128."""
+    differ, and `verify_graphs`, which needs speculation, CUDA graphs and the Triton attention kernel. Oracle: the
+    plain plan of the same settings (verify_graphs left None there, where nothing can run it), and k+1 rows x
+    `speculative_max_batch` <= 128."""
     hw, device = MACHINES[machine], torch.device(MACHINES[machine].device_type)
     spec_cfg = dataclasses.replace(cfg, speculative="ngram", num_speculative_tokens=k)
     try:
-        plain = resolve_plan(cfg, device, hardware=hw)
+        plain = resolve_plan(dataclasses.replace(cfg, verify_graphs=cfg.verify_graphs and None), device, hardware=hw)
     except ValueError as e:
         with pytest.raises(ValueError, match="^" + re.escape(str(e).split(":")[0]) + ": "):
+            resolve_plan(spec_cfg, device, hardware=hw)
+        return
+    can_verify_in_graphs = plain.cuda_graphs and plain.attention_backend == "triton"
+    if cfg.verify_graphs is True and not can_verify_in_graphs:
+        with pytest.raises(ValueError, match="^verify_graphs: "):
             resolve_plan(spec_cfg, device, hardware=hw)
         return
     spec = resolve_plan(spec_cfg, device, hardware=hw)
     k = k or 4
     assert spec == dataclasses.replace(plain, speculative="ngram", num_speculative_tokens=k,
-                                       speculative_max_batch=128 // (k + 1))
+                                       speculative_max_batch=128 // (k + 1),
+                                       verify_graphs=can_verify_in_graphs and cfg.verify_graphs is not False)
 
 
 def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():
