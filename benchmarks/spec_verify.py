@@ -147,14 +147,15 @@ def step_fns(runner, requests: list[Request], new_tokens: int, forward):
 
 
 def engine_for(path: str, device: torch.device, dtype, batches, context: int, ks) -> "minirt.LLM":
-    """The engine measured: speculation with the smallest k (its plan then has verify_graphs where CUDA graphs run;
-    the graphs of the other k are built here), decode graphs up to the largest batch, a pool with room for every
+    """The engine measured: speculation with the smallest k and verify_graphs asked for where CUDA graphs run
+    (the graphs of the other k are built here), decode graphs up to the largest batch, a pool with room for every
     request plus one block (the CPU's stand-in for the scratch block) and a token budget that holds the largest verify
     step (piecewise graphs of up to 512 tokens or that step, as the default budget captures them up to there). On the
     CPU merged projections make the plan chapter 07's (`FastModelRunner`, eager), and max_model_len is cut to what
     the requests hold (the torch reference kernel of the padded static buffers attends over the tables' width)."""
     per_request = -(-(context + max(ks) + 1) // 16)
-    cpu = {} if device.type == "cuda" else {"merge_projections": True, "max_model_len": per_request * 16}
+    cpu = {"verify_graphs": True} if device.type == "cuda" else {"merge_projections": True,
+                                                                   "max_model_len": per_request * 16}
     return minirt.LLM(path, device=device, dtype=dtype, block_size=16, max_num_seqs=max(batches),
                       num_kv_blocks=max(batches) * per_request + 1, enable_prefix_caching=False,
                       max_num_batched_tokens=max(512, max(batches) * (max(ks) + 1)), speculative="ngram",

@@ -684,8 +684,8 @@ ON_OFF_SWITCHES = (
     ("rotary_cache", "minirt looks cos and sin up per position in a table filled once (auto: on CUDA)"),
     ("argmax_in_gemv", "minirt takes a greedy one-row step's argmax in the LM head GEMV's epilogue (auto: with the "
                        "GEMV kernel)"),
-    ("verify_graphs", "minirt's speculative verification steps replay CUDA graphs of k+1 rows per request (auto: with "
-                      "--speculative and CUDA graphs)"),
+    ("verify_graphs", "minirt's speculative verification steps replay CUDA graphs of k+1 rows per request (auto: off; "
+                      "on needs --speculative and CUDA graphs)"),
 )
 
 

@@ -74,7 +74,8 @@ class EngineConfig:
     tokens drafted per step (None: 4 where speculative is set). speculative_model: the draft model's checkpoint
     (None: the one shipped beside the default model). prompt_lookup_min, prompt_lookup_max: the n-gram lengths the
     "ngram" drafter tries, longest first (vLLM's names). verify_graphs: verification steps (k + 1 rows per running
-    request, no prefill chunk) replay CUDA graphs captured for them (None: with speculative decoding and CUDA graphs).
+    request, no prefill chunk) replay CUDA graphs captured for them (None: off; True needs speculative decoding and CUDA graphs with the Triton
+    attention kernel).
     """
 
     device: object = None

@@ -132,7 +132,8 @@ def test_the_plan_keeps_the_contract_of_every_switch(cfg, machine):
 def test_speculation_leaves_every_other_switch_as_the_plain_plan_has_it(cfg, machine, k):
     """With `speculative` set, every switch resolves (or is refused) exactly as without it, overlap and async
     scheduling included: the steps that draft nothing run them (`minirt.spec.engine`); only the speculative fields
-    differ, and `verify_graphs`, which needs speculation, CUDA graphs and the Triton attention kernel. Oracle: the
+    differ, and `verify_graphs` (asked for by name), which needs speculation, CUDA graphs and the Triton attention
+    kernel. Oracle: the
     plain plan of the same settings (verify_graphs left None there, where nothing can run it), and k+1 rows x
     `speculative_max_batch` <= 128."""
     hw, device = MACHINES[machine], torch.device(MACHINES[machine].device_type)
@@ -152,7 +153,7 @@ def test_speculation_leaves_every_other_switch_as_the_plain_plan_has_it(cfg, mac
     k = k or 4
     assert spec == dataclasses.replace(plain, speculative="ngram", num_speculative_tokens=k,
                                        speculative_max_batch=128 // (k + 1),
-                                       verify_graphs=can_verify_in_graphs and cfg.verify_graphs is not False)
+                                       verify_graphs=can_verify_in_graphs and cfg.verify_graphs is True)
 
 
 def test_defaults_are_the_reference_on_a_cpu_and_everything_on_a_hopper():

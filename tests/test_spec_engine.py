@@ -398,8 +398,7 @@ def test_the_plan_resolves_speculation():
     hopper = resolve_plan(EngineConfig(), torch.device("cuda"), hardware=HOPPER)
     assert hopper.num_scheduler_steps == 8 and hopper.overlap_scheduling and hopper.async_scheduling
     spec = resolve_plan(EngineConfig(speculative="ngram"), torch.device("cuda"), hardware=HOPPER)
-    assert spec == dataclasses.replace(hopper, speculative="ngram", num_speculative_tokens=4, speculative_max_batch=25,
-                                       verify_graphs=True)
+    assert spec == dataclasses.replace(hopper, speculative="ngram", num_speculative_tokens=4, speculative_max_batch=25)
     # asked for by name with speculation, they run (on the CPU overlap needs bursts: num_scheduler_steps > 1)
     asked = resolve_plan(EngineConfig(speculative="ngram", async_scheduling=True, overlap_scheduling=True,
                                       num_scheduler_steps=4), torch.device("cpu"))

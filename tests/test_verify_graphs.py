@@ -4,7 +4,7 @@ token for token whatever the drafts' lengths (shorter than k, none at all, cut b
 write nothing but the scratch slot; the real rows' hidden states are the unpadded step's.
 
 On the CPU the graphs run with `capture=False` (the same padded static buffers, eagerly, with the torch reference
-kernel); on CUDA the engine captures them as its plan says (verify_graphs is on by default with speculation).
+kernel); on CUDA the engine captures them as its plan says (with verify_graphs=True).
 Oracles: transformers' greedy generate (conftest.hf_greedy); the unpadded step through chapter 05's `ModelRunner`;
 the KV cache's own contents before the step.
 """
@@ -54,12 +54,12 @@ class RaggedTruthProposer(Proposer):
 def verify_engine(path, device: str, k: int, block_size: int, max_batch: int, **settings) -> minirt.LLM:
     """An LLM with speculation (k draft tokens, drafting at any batch size) whose verification steps of running
     requests go through graphs of k + 1 rows per request, capture sizes up to `max_batch`. On CUDA the plan's own
-    (verify_graphs on by default). On the CPU a `FastModelRunner` as the plan builds it with CUDA graphs - decode graphs
+    (verify_graphs=True). On the CPU a `FastModelRunner` as the plan builds it with CUDA graphs - decode graphs
     and verification graphs (`build_verify_graphs`) over one KV cache with a scratch block - run with capture=False
     and the torch reference kernel."""
     if device == "cuda":
         llm = minirt.LLM(path, device="cuda", dtype=torch.float32, block_size=block_size, speculative="ngram",
-                         num_speculative_tokens=k, max_num_seqs=max_batch, num_kv_blocks=1024,
+                         num_speculative_tokens=k, verify_graphs=True, max_num_seqs=max_batch, num_kv_blocks=1024,
                          max_num_batched_tokens=256, **settings)          # (fewer piecewise graphs to capture)
         assert llm.engine.plan.verify_graphs and llm.engine.model_runner.verify_graphs.graphs
         assert sorted(llm.engine.model_runner.verify_graphs.graphs) == capture_sizes(
@@ -206,16 +206,19 @@ def test_padding_rows_write_only_the_scratch_slot(tiny_model_path):
     torch.testing.assert_close(runner.forward_verify(step), reference.forward(unpadded), atol=1e-5, rtol=1e-5)
 
 
-def test_the_plan_turns_verify_graphs_on_with_speculation_and_graphs_and_refuses_them_by_name():
-    """verify_graphs=None is on exactly where speculation and CUDA graphs with the Triton kernel both run; asked for
-    where one of them is missing, it is refused naming what is missing (flash-attn's kernel among them)."""
+def test_the_plan_runs_verify_graphs_asked_for_and_refuses_them_by_name():
+    """verify_graphs=None is off (never measured on a GPU); asked for, it runs where speculation and CUDA graphs with
+    the Triton kernel all run, and where one of them is missing it is refused naming what is missing (flash-attn's
+    kernel among them)."""
     from minirt.config import EngineConfig
     from minirt.fast.plan import Hardware, resolve_plan
 
     cuda, cpu, hopper = torch.device("cuda"), torch.device("cpu"), Hardware("cuda")
-    assert resolve_plan(EngineConfig(speculative="ngram"), cuda, hardware=hopper).verify_graphs
-    assert resolve_plan(EngineConfig(speculative="draft", num_speculative_tokens=8), cuda, hardware=hopper).verify_graphs
-    for off in (dict(), dict(speculative="ngram", enforce_eager=True), dict(speculative="ngram", verify_graphs=False),
+    assert resolve_plan(EngineConfig(speculative="ngram", verify_graphs=True), cuda, hardware=hopper).verify_graphs
+    assert resolve_plan(EngineConfig(speculative="draft", num_speculative_tokens=8, verify_graphs=True), cuda,
+                        hardware=hopper).verify_graphs
+    for off in (dict(), dict(speculative="ngram"), dict(speculative="ngram", enforce_eager=True),
+                dict(speculative="ngram", verify_graphs=False),
                 dict(speculative="ngram", attention_backend="flash_attn")):
         assert not resolve_plan(EngineConfig(**off), cuda, hardware=hopper).verify_graphs, off
     assert not resolve_plan(EngineConfig(speculative="ngram"), cpu).verify_graphs
