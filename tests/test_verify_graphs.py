@@ -28,6 +28,7 @@ from minirt.kv.paged_cache import allocate_kv_cache
 from minirt.model_runner import ModelRunner
 from minirt.request import Request
 from minirt.spec.proposer import Proposer
+from test_spec_engine import prompts_for
 
 
 class RaggedTruthProposer(Proposer):
@@ -107,19 +108,6 @@ def watch_verify_graphs(llm) -> list[tuple[list[int], int]]:
 
     graphs.run_padded, graphs.store = running, storing
     return seen
-
-
-def prompts_for(seed: int, num: int = 6) -> list[list[int]]:
-    """Random prompts, half of them repetitive."""
-    rng = random.Random(seed)
-    prompts = []
-    for i in range(num):
-        if i % 2:
-            unit = [rng.randrange(VOCAB) for _ in range(rng.randrange(2, 6))]
-            prompts.append((unit * 8)[:rng.randrange(8, 30)])
-        else:
-            prompts.append([rng.randrange(VOCAB) for _ in range(rng.randrange(3, 30))])
-    return prompts
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])
