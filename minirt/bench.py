@@ -714,30 +714,29 @@ def speculative_kwargs_of(args) -> dict:
             if getattr(args, name) is not None}
 
 
-def quantizations_of(text: str | None) -> tuple[str | None, ...]:
-    """`--quantization none,int8,fp8` -> (None, "int8", "fp8"), in the order given (None: (None,), the model as
-    loaded). Raises ValueError naming quantization for an unknown or repeated entry."""
+def methods_of(field: str, text: str | None, methods: tuple[str | None, ...]) -> tuple[str | None, ...]:
+    """`--<field> none,a,b` -> (None, "a", "b"), in the order given, each entry one of `methods` or "none" (None:
+    (None,)). Raises ValueError naming `field` for an unknown or repeated entry."""
     if not text:
         return (None,)
     names = [part.strip() for part in text.split(",")]
-    allowed = ["none", *(m for m in QUANTIZATION_METHODS if m is not None)]
+    allowed = ["none", *(m for m in methods if m is not None)]
     bad = [n for n in names if n not in allowed]
     if bad or len(set(names)) != len(names):
-        raise ValueError(f"quantization: a comma-separated list of distinct {allowed}, got {text!r}")
+        raise ValueError(f"{field}: a comma-separated list of distinct {allowed}, got {text!r}")
     return tuple(None if n == "none" else n for n in names)
+
+
+def quantizations_of(text: str | None) -> tuple[str | None, ...]:
+    """`--quantization none,int8,fp8` -> (None, "int8", "fp8"), in the order given (None: (None,), the model as
+    loaded). Raises ValueError naming quantization for an unknown or repeated entry."""
+    return methods_of("quantization", text, QUANTIZATION_METHODS)
 
 
 def speculatives_of(text: str | None) -> tuple[str | None, ...]:
     """`--speculative none,ngram,draft` -> (None, "ngram", "draft"), in the order given (None: (None,), no
     speculation). Raises ValueError naming speculative for an unknown or repeated entry."""
-    if not text:
-        return (None,)
-    names = [part.strip() for part in text.split(",")]
-    allowed = ["none", *(m for m in SPECULATIVE_METHODS if m is not None)]
-    bad = [n for n in names if n not in allowed]
-    if bad or len(set(names)) != len(names):
-        raise ValueError(f"speculative: a comma-separated list of distinct {allowed}, got {text!r}")
-    return tuple(None if n == "none" else n for n in names)
+    return methods_of("speculative", text, SPECULATIVE_METHODS)
 
 
 def model_config_of(model: str | None, device: torch.device):
