@@ -24,17 +24,35 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 CONFIGS = [(1, 64, 1, 1), (4, 32, 2, 2), (16, 16, 4, 1), (2, 128, 8, 4)]
 
 
-def check_linear_gemv(k, n, with_bias, x_lead, dtype, device, config=None, seed=0, silu_and_mul=False):
+def random_weight(n, k, gen, dtype, device, method=None):
+    """A random `[n, k]` weight for linear_gemv: (weight, weight_scale, the float64 weight the oracle multiplies).
+    method None: weight in dtype, no scale; "int8" / "fp8": chapter 10's one-byte weight and its per-channel
+    scales (`minirt.quant.formats.quantize`), the oracle's weight `dequantize`'s values."""
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    if method is None:
+        w = w.to(dtype)
+        return w.to(device), None, w.double()
+    from minirt.quant.formats import dequantize, quantize
+
+    w[:, 0] *= 8                                          # an outlier column: rows' scales differ
+    q, scale = quantize(w, method)
+    return q.to(device), scale.to(device), dequantize(q, scale).double()
+
+
+def check_linear_gemv(k, n, with_bias, x_lead, dtype, device, config=None, seed=0, silu_and_mul=False,
+                      method=None):
     """Fresh random inputs; linear_gemv's output must match the float64 oracle in shape, dtype and values.
-    silu_and_mul: the oracle is `silu(gate) * up` of the two halves of the float64 product."""
+    silu_and_mul: the oracle is `silu(gate) * up` of the two halves of the float64 product. method: quantized
+    weights with per-channel scales (`random_weight`)."""
     from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(*x_lead, k, generator=gen).to(dtype).to(device)
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    w, w_scale, w_ref = random_weight(n, k, gen, dtype, device, method)
     b = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
-    out = linear_gemv(x, w, b, config=GemvConfig(*config) if config else None, silu_and_mul=silu_and_mul)
-    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    out = linear_gemv(x, w, b, config=GemvConfig(*config) if config else None, silu_and_mul=silu_and_mul,
+                      weight_scale=w_scale)
+    ref = F.linear(x.double(), w_ref, None if b is None else b.double())
     if silu_and_mul:
         gate, up = ref.chunk(2, dim=-1)
         ref = F.silu(gate) * up
@@ -116,20 +134,21 @@ def test_gemv_silu_and_mul_interpreter(k, n, config, dtype):
 
 
 def check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, device, config=None, pdl=False, seed=0,
-                        eps=1e-6, scale=1.0):
+                        eps=1e-6, scale=1.0, method=None):
     """linear_gemv with the RMSNorm (and residual addition) in its prologue against the float64 oracle
     `F.linear(rms_norm(s))` with `s = residual + x` added in dtype, as the model adds its stream; the stream it
-    returns must be exactly that s. `scale` multiplies x and the residual: small inputs make eps matter."""
+    returns must be exactly that s. `scale` multiplies x and the residual: small inputs make eps matter. method:
+    quantized weights with per-channel scales (`random_weight`)."""
     from minirt.kernels.gemv_triton import GemvConfig, linear_gemv
 
     gen = torch.Generator().manual_seed(seed)
     x = (scale * torch.randn(1, 1, k, generator=gen)).to(dtype).to(device)
     res = (scale * torch.randn(1, 1, k, generator=gen)).to(dtype).to(device) if with_residual else None
     g = (1 + 0.3 * torch.randn(k, generator=gen)).to(dtype).to(device)
-    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype).to(device)
+    w, w_scale, w_ref = random_weight(n, k, gen, dtype, device, method)
     b = torch.randn(n, generator=gen).to(dtype).to(device) if with_bias else None
     out, stream = linear_gemv(x, w, b, config=GemvConfig(*config) if config else None, silu_and_mul=silu_and_mul,
-                              norm_weight=g, eps=eps, residual=res, pdl=pdl)
+                              norm_weight=g, eps=eps, residual=res, pdl=pdl, weight_scale=w_scale)
     s = x if res is None else res + x
     assert stream.shape == x.shape and stream.dtype == dtype
     if device == "cuda":
@@ -138,7 +157,7 @@ def check_norm_prologue(k, n, with_bias, with_residual, silu_and_mul, dtype, dev
         torch.testing.assert_close(stream, s, rtol=2 ** -7, atol=0)
     sd = s.double()
     normed = sd * torch.rsqrt(sd.pow(2).mean(-1, keepdim=True) + eps) * g.double()
-    ref = F.linear(normed, w.double(), None if b is None else b.double())
+    ref = F.linear(normed, w_ref, None if b is None else b.double())
     if silu_and_mul:
         gate, up = ref.chunk(2, dim=-1)
         ref = F.silu(gate) * up
@@ -223,6 +242,33 @@ def test_gemv_pdl_chain_in_cuda_graph(config):
         assert torch.equal(out, ref) and torch.equal(stream, ref_stream)
 
 
+QUANT_CASES = [("int8", False, None), ("fp8", False, None), ("fp8", False, (4, 32, 2, 2)), ("int8", True, None),
+               ("fp8", True, (4, 32, 1, 2))]      # method, silu_and_mul, config (split-K among them)
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method,silu_and_mul,config", QUANT_CASES, ids=str)
+@pytest.mark.parametrize("k,n", [(1024, 4096), (2048, 1024), (1024, 6144), (1000, 666)])
+def test_gemv_quantized_weights_cuda(k, n, method, silu_and_mul, config, dtype):
+    check_linear_gemv(k, n, True, (1, 1), dtype, "cuda", config, silu_and_mul=silu_and_mul, method=method)
+    if config is None or config[2] == 1:
+        check_norm_prologue(k, n, True, True, silu_and_mul, dtype, "cuda", config, method=method)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="set TRITON_INTERPRET=1 to run the kernel on the CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("method,silu_and_mul,config", QUANT_CASES, ids=str)
+@pytest.mark.parametrize("k,n", [(100, 14), (256, 64)])
+def test_gemv_quantized_weights_interpreter(k, n, method, silu_and_mul, config, dtype):
+    """One-byte weights with per-channel scales (chapter 10): the product with `dequantize`'s weight, plain, with
+    SiLU-and-multiply, split-K, and with the norm prologue."""
+    pytest.importorskip("triton")
+    check_linear_gemv(k, n, True, (1,), dtype, "cpu", config, silu_and_mul=silu_and_mul, method=method)
+    if config is None or config[2] == 1:
+        check_norm_prologue(k, n, True, True, silu_and_mul, dtype, "cpu", config, method=method)
+
+
 def test_gemv_argument_errors():
     """Each bad argument is named; the checks run before any kernel, so CPU tensors do."""
     pytest.importorskip("triton")
@@ -274,6 +320,17 @@ def test_gemv_argument_errors():
         linear_gemv(torch.randn(1, 16), w, pdl=True)
     with pytest.raises(ValueError, match=r"^l2_prefetch: the bulk prefetch into L2 needs a CUDA device \(got cpu\)"):
         linear_gemv(torch.randn(1, 16), w, l2_prefetch=torch.zeros(1, 2, dtype=torch.int64))
+    q, scale = w.to(torch.int8), torch.ones(8)
+    with pytest.raises(ValueError, match=r"^weight: with weight_scale, must be int8 or float8_e4m3fn on cpu, got "
+                                         r"torch.float32"):
+        linear_gemv(torch.randn(1, 16), w, weight_scale=scale)
+    with pytest.raises(ValueError, match=r"^weight: must be torch.float32 on cpu like x, got torch.int8"):
+        linear_gemv(torch.randn(1, 16), q)
+    with pytest.raises(ValueError, match=r"^weight_scale: must be a contiguous float32 \[8\] \(one scale per output "
+                                         r"channel\) on cpu, got torch.float32 \(4,\)"):
+        linear_gemv(torch.randn(1, 16), q, weight_scale=torch.ones(4))
+    with pytest.raises(ValueError, match=r"^weight_scale: must be a contiguous float32 \[8\].*got torch.float16"):
+        linear_gemv(torch.randn(1, 16), q, weight_scale=scale.half())
 
 
 def check_argmax(k, n, with_bias, norm, dtype, device, config=None, seed=0, pdl=False, ties=()):

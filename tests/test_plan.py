@@ -53,7 +53,9 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     """The plan as the contract says, or the name of the first switch that must be refused."""
     if cfg.weight_block_size is not None and cfg.quantization is None:     # on a float checkpoint
         return "weight_block_size"
-    quantized = cfg.quantization is not None     # quantized linears run quant_gemv: no norm prologue, no L2 chain
+    quantized = cfg.quantization is not None
+    # block-scaled linears run quant_gemv: no norm prologue, no L2 chain (per-channel ones run the float GEMV)
+    block_scaled = quantized and cfg.weight_block_size is not None
     asked = {name: getattr(cfg, name) for name in ON_OFF}
     asked["flash_attn"] = cfg.attention_backend == "flash_attn"            # "auto" never picks it (measured)
     asked["triton"] = {"auto": None, "triton": True, "torch": False, "flash_attn": False}[cfg.attention_backend]
@@ -68,7 +70,7 @@ def expected(cfg: EngineConfig, hw: Hardware) -> dict | str:
     for name in order:
         possible = can_run(name, hw) and all(on[n] for n in NEEDS.get(name, []))
         if name in ("norm_in_gemv", "l2_prefetch"):
-            possible = possible and not quantized
+            possible = possible and not block_scaled
         if name == "cuda_graphs":                       # a kernel that can be captured: Triton's or flash-attn's
             possible = can_run(name, hw) and (on["triton"] or on["flash_attn"])
         if asked[name] is True and not possible:

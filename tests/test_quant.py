@@ -462,11 +462,22 @@ def test_a_scale_of_the_wrong_shape_or_a_float_weight_with_a_scale_is_refused(ti
 
 
 @pytest.mark.parametrize("switch", ["norm_in_gemv", "l2_prefetch"])
-def test_the_float_gemv_chain_switches_are_refused_under_quantization(switch):
+def test_the_float_gemv_chain_switches_are_refused_under_block_scales(switch):
     """The norm prologue and the L2 prefetch chain are built on the float GEMV of the merged projections, which
-    quantized layers do not run (they run quant_gemv)."""
-    with pytest.raises(ValueError, match=rf"^{switch}: .* needs float weights \(got quantization='int8'\)$"):
-        resolve_plan(EngineConfig(quantization="int8", **{switch: True}), torch.device("cuda"), hardware=HOPPER)
+    applies one scale per output channel: block-scaled layers run quant_gemv instead, and the chain is refused."""
+    with pytest.raises(ValueError, match=rf"^{switch}: .* needs float weights or one scale per output channel "
+                                         rf"\(got 128 x 128 scale blocks\)$"):
+        resolve_plan(EngineConfig(quantization="int8", weight_block_size=128, **{switch: True}),
+                     torch.device("cuda"), hardware=HOPPER)
+    with pytest.raises(ValueError, match=rf"^{switch}: .* needs .*gemv \(off: gemv=False\)"):
+        resolve_plan(EngineConfig(quantization="int8", gemv=False, **{switch: True}), torch.device("cuda"),
+                     hardware=HOPPER)
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_with_per_channel_scales_the_plan_keeps_the_float_gemv_chain(method):
+    plan = resolve_plan(EngineConfig(quantization=method), torch.device("cuda"), hardware=HOPPER)
+    assert plan.quant_gemv and plan.norm_in_gemv and plan.l2_prefetch and plan.weight_block_size is None
 
 
 def test_under_quantization_the_plan_runs_the_quantized_kernels_with_merged_projections():

@@ -309,20 +309,21 @@ def test_merge_quantized_concatenates_weights_and_scales(method, block_size, siz
 def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_path, method, block_size):
     """A quantized tiny model with the plan's quantized modules (merged q/k/v and gate/up, the GEMV's torch contract
     standing in for the kernel; a float LM head through the float GEMV's contract): every quantized projection is a
-    FastQuantizedLinear, one-token steps call the GEMV for each (counted), and the logits stay the reference
-    quantized model's (float32), for one token and for nine."""
+    FastQuantizedLinear (per-channel ones inside a QuantizedGemvLinear), one-token steps of three sequences call
+    the GEMV for each (counted), and the logits stay the reference quantized model's (float32), for one token and
+    for nine."""
     import minirt
     from minirt.fast import Plan
     from minirt.fast.layers import GemvLinear, speed_up_model
     from minirt.fast.ops import ModelKernels, gemv_reference
-    from minirt.fast.quant_layers import FastQuantizedLinear, quant_gemv_reference
+    from minirt.fast.quant_layers import FastQuantizedLinear, QuantizedGemvLinear, quant_gemv_reference
     from minirt.quant.model import quantize_model
     from conftest import random_prompts
     from test_model import _minirt_logits
 
     model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
     quantize_model(model, method, block_size)
-    ids1, ids9 = torch.tensor(random_prompts(3, [1])), torch.tensor(random_prompts(3, [9]))
+    ids1, ids9 = torch.tensor(random_prompts(3, [1, 1, 1])), torch.tensor(random_prompts(3, [9]))
     want1, want9 = _minirt_logits(model, ids1), _minirt_logits(model, ids9)
     calls = []
     kernels = ModelKernels(gemv=gemv_reference, quant_gemv=lambda *a, **kw: calls.append((a[1].shape, kw))
@@ -331,16 +332,58 @@ def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_
                                weight_block_size=block_size), kernels)
     layer = model.model.layers[0]
     for proj in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        assert isinstance(proj, FastQuantizedLinear)
+        if block_size is None:      # one scale per output channel: one-row steps take the float GEMV's contract
+            assert isinstance(proj, QuantizedGemvLinear) and isinstance(proj.rows, FastQuantizedLinear)
+        else:
+            assert isinstance(proj, FastQuantizedLinear)
     assert isinstance(model.lm_head, GemvLinear)
     got1 = _minirt_logits(model, ids1)
     assert len(calls) == 4 * model.config.num_hidden_layers
     assert sum(kw == {"silu_and_mul": True} for _, kw in calls) == model.config.num_hidden_layers   # gate/up's
     torch.testing.assert_close(got1, want1, atol=1e-4 * max(1.0, want1.abs().max().item()), rtol=1e-4)
     calls.clear()
-    got9 = _minirt_logits(model, ids9)                  # 27 rows: past MAX_ROWS, the many-rows product
+    got9 = _minirt_logits(model, ids9)                  # 9 rows: past MAX_ROWS, the many-rows product
     torch.testing.assert_close(got9, want9, atol=1e-4 * max(1.0, want9.abs().max().item()), rtol=1e-4)
     assert not calls
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8"])
+def test_per_channel_one_token_steps_take_the_float_gemv_with_its_norm_prologue(tiny_model_path, method):
+    """Per-channel quantized weights under the plan's norm_in_gemv: a batch-1 one-token step runs each merged
+    q/k/v and gate/up through the float GEMV's contract with the norm in its prologue and the scales bound
+    (`weight_scale`), o and down through it plainly, never quant_gemv; the logits stay the reference quantized
+    model's (float32)."""
+    import minirt
+    from minirt.fast import Plan
+    from minirt.fast.layers import NormInGemvLayer, speed_up_model
+    from minirt.fast.ops import ModelKernels, gemv_reference
+    from minirt.fast.quant_layers import quant_gemv_reference
+    from minirt.quant.model import quantize_model
+    from conftest import random_prompts
+    from test_model import _minirt_logits
+
+    model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
+    quantize_model(model, method, None)
+    ids = torch.tensor(random_prompts(1, [1]))
+    want = _minirt_logits(model, ids)
+    row_calls, few_calls = [], []
+
+    def gemv(x, weight, bias=None, **kw):
+        row_calls.append((weight.dtype, sorted(kw)))
+        return gemv_reference(x, weight, bias, **kw)
+
+    kernels = ModelKernels(gemv=gemv, quant_gemv=lambda *a, **kw: few_calls.append(1) or quant_gemv_reference(*a, **kw))
+    speed_up_model(model, Plan(merge_projections=True, gemv=True, quant_gemv=True, norm_in_gemv=True,
+                               quantization=method), kernels)
+    assert all(isinstance(layer, NormInGemvLayer) for layer in model.model.layers)
+    got = _minirt_logits(model, ids)
+    torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4)
+    n = model.config.num_hidden_layers
+    one_byte = torch.int8 if method == "int8" else torch.float8_e4m3fn
+    assert not few_calls
+    assert row_calls.count((one_byte, ["eps", "norm_weight", "residual", "weight_scale"])) == n        # q/k/v
+    assert row_calls.count((one_byte, ["eps", "norm_weight", "residual", "silu_and_mul", "weight_scale"])) == n
+    assert row_calls.count((one_byte, ["weight_scale"])) == 2 * n                                     # o, down
 
 
 @pytest.mark.skipif(not (CUDA or INTERPRET), reason="needs CUDA or TRITON_INTERPRET=1")

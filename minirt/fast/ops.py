@@ -64,13 +64,20 @@ def norm_rotate_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
 
 def gemv_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                    silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 1e-6,
-                   residual: torch.Tensor | None = None, argmax_key: torch.Tensor | None = None):
+                   residual: torch.Tensor | None = None, argmax_key: torch.Tensor | None = None,
+                   weight_scale: torch.Tensor | None = None):
     """The contract of `ModelKernels.gemv`, in plain torch: `F.linear(x, weight, bias)`, or with `silu_and_mul`
     (weight a merged gate/up projection `[2 * I, K]`) `silu(gate) * up` `[..., I]`. With `norm_weight` `[K]` the
     RMSNorm before the projection comes first, on the stream `s = residual + x` (`x` when residual is None), and
     the result is `(out, s)`: `NormInGemvLayer`'s prologue. With `argmax_key` (the kernel's scratch, an int64 `[1]`
     holding 0, left so), out is the argmax of the product along its last dim instead: `GreedyGemvHead`'s greedy
-    step. `minirt.kernels.gemv_triton.linear_gemv` does the same for one row in one kernel (two for the argmax)."""
+    step. With `weight_scale` `[N]`, weight holds chapter 10's one-byte weights with one scale per output channel,
+    taken as `minirt.quant.formats.dequantize` gives them. `minirt.kernels.gemv_triton.linear_gemv` does the same
+    for one row in one kernel (two for the argmax)."""
+    if weight_scale is not None:
+        from minirt.quant.formats import dequantize
+
+        weight = dequantize(weight, weight_scale, None, x.dtype)
     if norm_weight is not None:
         stream = x if residual is None else residual + x
         return gemv_reference(rms_norm(stream, norm_weight, eps), weight, bias, silu_and_mul=silu_and_mul,

@@ -119,10 +119,11 @@ class Plan:
 class _Resolution:
     """The switches resolved so far, and why each one that is off is off."""
 
-    def __init__(self, hw: Hardware, tensor_parallel_size: int = 1, quantization: str | None = None):
+    def __init__(self, hw: Hardware, tensor_parallel_size: int = 1, quantization: str | None = None,
+                 weight_block_size: int | None = None):
         self.hw = hw
         self.tensor_parallel_size = tensor_parallel_size
-        self.quantization = quantization
+        self.quantization, self.weight_block_size = quantization, weight_block_size
         self.on: dict[str, bool | int] = {}
         self.why_off: dict[str, str] = {}
 
@@ -180,10 +181,16 @@ def _one_process(r: _Resolution) -> list[str]:
     return [] if tp == 1 else [f"tensor_parallel_size=1 (got {tp}: the ranks run no graphs, GEMVs or bursts)"]
 
 
-def _float_weights(r: _Resolution) -> list[str]:
-    """What a switch that rewrites the decoder's `nn.Linear` layers lacks under quantized weights (chapter 10's
-    `QuantizedLinear` holds int8/FP8 buffers, which these fast modules do not read)."""
-    return [] if r.quantization is None else [f"float weights (got quantization={r.quantization!r})"]
+def _gemv_weights(r: _Resolution) -> list[str]:
+    """What a fusion built around the float GEMV kernel (`minirt.fast.layers.GemvLinear`) lacks under quantized
+    weights: one scale per output channel, which that kernel applies (`linear_gemv(weight_scale=...)`; block scales
+    go to `quant_gemv`), and the quantized linears' kernels."""
+    if r.quantization is None:
+        return []
+    if r.weight_block_size is not None:
+        b = r.weight_block_size
+        return [f"float weights or one scale per output channel (got {b} x {b} scale blocks)"]
+    return r.need("quant_gemv")
 
 
 def _quantized(r: _Resolution) -> list[str]:
@@ -256,7 +263,7 @@ RULES: tuple[Rule, ...] = (
     Rule("num_scheduler_steps", "multi-step decode", _one_process, lambda r: 8 if _graphs(r) else 1,
          "8 with CUDA graphs, else 1"),
     Rule("norm_in_gemv", "the GEMV's norm prologue",
-         lambda r: [*r.need("gemv", "merge_projections"), *_float_weights(r)], lambda r: True,
+         lambda r: [*r.need("gemv", "merge_projections"), *_gemv_weights(r)], lambda r: True,
          "with gemv and merged projections"),
     Rule("rotary_kernel", "the Triton kernel", lambda r: [*r.hw.triton, *r.hw.head_dim], _graphs,
          "with CUDA graphs"),
@@ -270,7 +277,7 @@ RULES: tuple[Rule, ...] = (
     Rule("prefetch_kv", "loading K/V before the PDL wait", lambda r: r.need("pdl", "split_kv", "attention_backend"),
          lambda r: True, "with PDL and split-KV Triton attention"),
     Rule("l2_prefetch", "the bulk prefetch into L2",
-         lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections"), *_float_weights(r)],
+         lambda r: [*r.hw.pdl, *r.need("gemv", "merge_projections"), *_gemv_weights(r)],
          lambda r: bool(r.on["pdl"]), "with the GEMV kernel, merged projections and PDL"),
     # With speculation as without it: a drafting step (whose rows are known only from every token before it) first
     # takes what is in flight and launches nothing after it (`minirt.spec.engine`); the other steps overlap.
@@ -350,7 +357,7 @@ def resolve_plan(config: EngineConfig, device: torch.device, model_config=None,
 
         hardware = Hardware.of(device, head_dim_of(model_config) if model_config is not None else 16,
                                config.dtype, config.block_size, flash_attn=config.attention_backend == "flash_attn")
-    r = _Resolution(hardware, config.tensor_parallel_size, quantization)
+    r = _Resolution(hardware, config.tensor_parallel_size, quantization, weight_block_size)
     for rule in RULES:
         value = getattr(config, rule.config_field())
         asked = rule.asked(value) if rule.asked else value

@@ -4,8 +4,12 @@ The reference `QuantizedLinear.forward` dequantizes its whole weight into the ac
 `F.linear`: correct, and slower than the float model, since every call writes and reads a float copy of the weight.
 `FastQuantizedLinear` (the same weight, scale and bias tensors) reads the one-byte weights themselves:
 
-* few rows (decode steps of up to `MAX_ROWS` sequences): `quant_gemv`, the Triton GEMV that dequantizes in
-  registers (`minirt.kernels.quant_gemv_triton`): a step reads 1 byte per weight instead of 2;
+* one row, per-channel scales (`QuantizedGemvLinear`): the float model's GEMV kernel with the scales
+  (`minirt.kernels.gemv_triton.linear_gemv(weight_scale=...)`), so that the batch-1 step keeps every fusion built
+  around that kernel (the norm in its prologue, SiLU-and-multiply in its epilogue, the L2 prefetch of the next
+  weights) and reads 1 byte per weight instead of 2;
+* few rows (decode steps of up to `MAX_ROWS` sequences, and one row with block scales): `quant_gemv`, the Triton
+  GEMV that dequantizes in registers (`minirt.kernels.quant_gemv_triton`);
 * more rows (prefill chunks, large decode batches), FP8 weights with per-channel scales on a GPU with FP8 tensor
   cores (compute capability 8.9 or later): `scaled_mm_linear`, the activations quantized to FP8 per token (one
   dynamic scale per row, `amax / 448`) and one `torch._scaled_mm` with both scales in its epilogue (vLLM's
@@ -19,12 +23,14 @@ projections of `minirt.fast.layers` keep working on quantized models.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from minirt.fast.layers import GemvLinear, one_row
 from minirt.quant.formats import QMAX, dequantize
 from minirt.quant.linear import QuantizedLinear
 
@@ -127,12 +133,43 @@ class FastQuantizedLinear(nn.Module):
                 f"block_size={self.block_size}, many_rows={getattr(self.many_rows, '__name__', self.many_rows)}")
 
 
-def fast_quantized(layer: QuantizedLinear, gemv: Callable | None = None) -> FastQuantizedLinear:
+class QuantizedGemvLinear(GemvLinear):
+    """A `QuantizedLinear` with one scale per output channel as a `GemvLinear`: its one-row inputs go to `gemv`, the
+    float model's one-row product (`minirt.fast.ops.gemv_reference`'s contract) with the scales bound
+    (`gemv(..., weight_scale=scale)`), others to `rows`, a `FastQuantizedLinear` of the same tensors. Being a
+    `GemvLinear`, it takes part in every fusion the plan builds around that kernel for one-token steps
+    (`minirt.fast.layers`: the norm prologue, SiLU-and-multiply in the epilogue, the L2 prefetch). `[..., in] ->
+    [..., out]`."""
+
+    def __init__(self, gemv: Callable, rows: FastQuantizedLinear):
+        nn.Module.__init__(self)
+        if rows.block_size is not None:
+            raise ValueError(f"rows: the float GEMV applies one scale per output channel, got "
+                             f"{rows.block_size} x {rows.block_size} blocks")
+        self.in_features, self.out_features = rows.in_features, rows.out_features
+        self.rows = rows
+        self.weight, self.weight_scale, self.bias = rows.weight, rows.weight_scale, rows.bias
+        self.gemv = functools.partial(gemv, weight_scale=rows.weight_scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gemv(x, self.weight, self.bias) if one_row(x) else self.rows(x)
+
+    def silu_and_mul(self, x: torch.Tensor, act: Callable) -> torch.Tensor:
+        """`FastQuantizedLinear.silu_and_mul`, one row in the float GEMV's epilogue."""
+        if one_row(x):
+            return self.gemv(x, self.weight, self.bias, silu_and_mul=True)
+        return self.rows.silu_and_mul(x, act)
+
+
+def fast_quantized(layer: QuantizedLinear, gemv: Callable | None = None,
+                   row_gemv: Callable | None = None) -> FastQuantizedLinear | QuantizedGemvLinear:
     """The plan's fast module for `layer`: `gemv` for few rows (None: the Triton `quant_gemv`), and for more rows
-    `scaled_mm_linear` where it can run (`scaled_mm_missing`), else `dequantize_linear`."""
+    `scaled_mm_linear` where it can run (`scaled_mm_missing`), else `dequantize_linear`; with `row_gemv` (the float
+    model's one-row kernel) and per-channel scales, wrapped in a `QuantizedGemvLinear` whose one-row steps take it."""
     if gemv is None:
         from minirt.kernels.quant_gemv_triton import quant_gemv as gemv
-    return FastQuantizedLinear(layer, gemv, dequantize_linear if scaled_mm_missing(layer) else scaled_mm_linear)
+    fast = FastQuantizedLinear(layer, gemv, dequantize_linear if scaled_mm_missing(layer) else scaled_mm_linear)
+    return fast if row_gemv is None or layer.block_size is not None else QuantizedGemvLinear(row_gemv, fast)
 
 
 def merge_quantized(*layers: QuantizedLinear) -> QuantizedLinear | None:

@@ -57,8 +57,8 @@ def _prefetch_l2(address, size):
 
 
 @triton.jit
-def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefetch, Key, N, K, stride_x, eps,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+def _gemv_kernel(X, W, Scale, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefetch, Key, N, K, stride_x,
+                 eps, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                  SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
                  L2_PREFETCH: tl.constexpr, ARGMAX: tl.constexpr):
     split = tl.program_id(1)
@@ -68,14 +68,14 @@ def _gemv_kernel(X, W, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefet
         for chunk in range(tl.program_id(0) * SPLIT_K + split, num_prefetch, tl.num_programs(0) * SPLIT_K):
             _prefetch_l2(tl.load(Prefetch + 2 * chunk), tl.load(Prefetch + 2 * chunk + 1).to(tl.int32))
     if ARGMAX:          # the rows' logits are never stored: only the best of them, into Key
-        rows, row_ok, y, _ = _gemv_sums(tl.program_id(0), split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
-                                        BLOCK_N, BLOCK_K, 1, False, NORM, HAS_RESIDUAL, PDL)
+        rows, row_ok, y, _ = _gemv_sums(tl.program_id(0), split, X, W, Scale, Res, NormW, Stream, N, K, stride_x, eps,
+                                        SCALED, BLOCK_N, BLOCK_K, 1, False, NORM, HAS_RESIDUAL, PDL)
         if HAS_BIAS:
             y += tl.load(Bias + rows, mask=row_ok, other=0.0).to(tl.float32)
         _argmax_into(Key, y.to(Out.dtype.element_ty).to(tl.float32), rows, row_ok)
     else:
-        _gemv_rows(tl.program_id(0), split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
-                   HAS_BIAS, BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL)
+        _gemv_rows(tl.program_id(0), split, X, W, Scale, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
+                   SCALED, HAS_BIAS, BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL)
 
 
 @triton.jit
@@ -110,12 +110,12 @@ def _argmax_finish_kernel(Key, Token, PDL: tl.constexpr):
 
 
 @triton.jit
-def _gemv_rows(tile, split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
-               HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+def _gemv_rows(tile, split, X, W, Scale, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
+               SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
                SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """Output rows `tile * BLOCK_N ...` (split `split` of SPLIT_K): `_gemv_kernel`'s work for one program."""
-    rows, row_ok, y, up = _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps, BLOCK_N, BLOCK_K,
-                                     SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL)
+    rows, row_ok, y, up = _gemv_sums(tile, split, X, W, Scale, Res, NormW, Stream, N, K, stride_x, eps, SCALED,
+                                     BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL)
     if SPLIT_K == 1:
         _store_rows(y, up, rows, row_ok, Bias, Out, N, HAS_BIAS, SILU_AND_MUL)
     else:
@@ -123,11 +123,13 @@ def _gemv_rows(tile, split, X, W, Bias, Out, Part, Res, NormW, Stream, N, K, str
 
 
 @triton.jit
-def _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
+def _gemv_sums(tile, split, X, W, Scale, Res, NormW, Stream, N, K, stride_x, eps, SCALED: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, SILU_AND_MUL: tl.constexpr,
                NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
     """`_gemv_rows`' sums: (rows, rows < N, the rows' float32 dot products with the norm's scale applied, the up rows'
-    (SILU_AND_MUL; else the first again)); split `split`'s share of them when SPLIT_K > 1."""
+    (SILU_AND_MUL; else the first again)); split `split`'s share of them when SPLIT_K > 1. SCALED: W holds one-byte
+    quantized weights, converted to float32 as they are loaded, and each row's sum is multiplied by its scale
+    (Scale `[N]`, or `[2 * N]` with SILU_AND_MUL) at the end, where a per-channel scale factors out of the sum."""
     rows = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = W + rows.to(tl.int64)[:, None] * K          # int64: N * K can pass 2**31 (a large vocabulary)
@@ -169,12 +171,16 @@ def _gemv_sums(tile, split, X, W, Res, NormW, Stream, N, K, stride_x, eps,
     if PDL:
         tl.extra.cuda.gdc_wait()      # every program waits (a no-op after the loop's): completion stays in order
     y = tl.sum(acc, axis=1)
+    if SCALED:
+        y = y * tl.load(Scale + rows, mask=row_ok, other=0.0)
     if NORM:
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / K + eps)
         y = y * rstd
     up = y
     if SILU_AND_MUL:
         up = tl.sum(acc_up, axis=1)
+        if SCALED:
+            up = up * tl.load(Scale + N + rows, mask=row_ok, other=0.0)
         if NORM:
             up = up * rstd
     return rows, row_ok, y, up
@@ -266,7 +272,8 @@ def check_l2_prefetch(table: torch.Tensor, device: torch.device) -> None:
 def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                 config: GemvConfig | None = None, silu_and_mul: bool = False, norm_weight: torch.Tensor | None = None,
                 eps: float = 1e-6, residual: torch.Tensor | None = None, pdl: bool = False,
-                l2_prefetch: torch.Tensor | None = None, argmax_key: torch.Tensor | None = None):
+                l2_prefetch: torch.Tensor | None = None, argmax_key: torch.Tensor | None = None,
+                weight_scale: torch.Tensor | None = None):
     """`torch.nn.functional.linear(x, weight, bias)` for one row: x `[..., K]` with x.numel() == K, weight
     `[N, K]` contiguous, bias `[N]` or None -> `[..., N]` in x.dtype, accumulated in float32.
 
@@ -296,6 +303,11 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     into argmax_key with an atomic maximum, and a one-program kernel after the product reads the winner and sets
     argmax_key back to 0 (greedy sampling in the LM head's epilogue; the logits compared are those the call would
     return, rounded to x.dtype). Not with silu_and_mul, or config's split_k > 1.
+    weight_scale: None, or float32 `[N]` (contiguous; `[2 * I]` with silu_and_mul): weight holds chapter 10's
+    one-byte weights (int8 or float8_e4m3fn, `minirt.quant.formats.quantize` with one scale per output channel) and
+    the product is taken with `weight.float() * weight_scale[:, None]` (`dequantize`'s values): each weight is
+    converted to float32 as it is loaded and each row's sum multiplied by its scale at the end, so a step reads one
+    byte per weight and every option above works unchanged (the W8A16 GEMV of TensorRT-LLM's weight-only plugins).
     config: block sizes (None: `choose_config`). No host syncs: safe inside a CUDA graph capture.
     Raises ValueError naming the argument for shapes, strides, dtypes or devices that do not fit."""
     if x.dim() == 0 or math.prod(x.shape[:-1]) != 1:
@@ -315,7 +327,17 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if residual.shape != x.shape or not residual.is_contiguous():
             raise ValueError(f"residual: must be contiguous with x's shape {tuple(x.shape)}, got shape "
                              f"{tuple(residual.shape)}, strides {tuple(residual.stride())}")
-    for name, t in (("weight", weight), ("bias", bias), ("norm_weight", norm_weight), ("residual", residual)):
+    if weight_scale is not None:
+        if weight.dtype not in (torch.int8, torch.float8_e4m3fn) or weight.device != x.device:
+            raise ValueError(f"weight: with weight_scale, must be int8 or float8_e4m3fn on {x.device}, got "
+                             f"{weight.dtype} on {weight.device}")
+        if (tuple(weight_scale.shape) != (n,) or weight_scale.dtype != torch.float32
+                or not weight_scale.is_contiguous() or weight_scale.device != x.device):
+            raise ValueError(f"weight_scale: must be a contiguous float32 [{n}] (one scale per output channel) on "
+                             f"{x.device}, got {weight_scale.dtype} {tuple(weight_scale.shape)} on "
+                             f"{weight_scale.device}")
+    for name, t in (("weight", None if weight_scale is not None else weight), ("bias", bias),
+                    ("norm_weight", norm_weight), ("residual", residual)):
         if t is not None and (t.dtype != x.dtype or t.device != x.device):
             raise ValueError(f"{name}: must be {x.dtype} on {x.device} like x, got {t.dtype} on {t.device}")
     if silu_and_mul:
@@ -358,10 +380,10 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[grid](
-        xv, weight, bias if has_bias else out, out if argmax_key is None else x, part,   # argmax: Out only gives
+        xv, weight, weight_scale if weight_scale is not None else out, bias if has_bias else out, out if argmax_key is None else x, part,   # argmax: Out only gives
         residual if residual is not None else out, norm_weight if norm_weight is not None else out, stream,  # a dtype
         l2_prefetch if l2_prefetch is not None else out, 0 if l2_prefetch is None else l2_prefetch.shape[0],
-        argmax_key if argmax_key is not None else out, n, k, xv.stride(0), eps,
+        argmax_key if argmax_key is not None else out, n, k, xv.stride(0), eps, SCALED=weight_scale is not None,
         HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SPLIT_K=cfg.split_k,
         SILU_AND_MUL=silu_and_mul, NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PDL=pdl,
         L2_PREFETCH=l2_prefetch is not None, ARGMAX=argmax_key is not None, num_warps=cfg.num_warps, **launch)
