@@ -45,8 +45,9 @@ FORMATS = {"int8": ("int8", None), "fp8": ("fp8", None), "fp8_block128": ("fp8",
 GEMV_MAX_ROWS = 64      # quant_gemv is timed up to here (it reloads the weights every 8 rows)
 # --gemm-configs: (block_m, block_n, block_k, num_warps, num_stages); block_k divides 128 (the block-scaled format).
 GEMM_CONFIGS = [QuantGemmConfig(*c) for c in (
-    (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 64, 4, 5), (32, 64, 128, 4, 4), (32, 128, 64, 4, 4),
-    (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3))]
+    (16, 32, 128, 4, 4), (16, 64, 128, 4, 4), (16, 128, 128, 4, 4), (16, 64, 64, 4, 5), (32, 64, 128, 4, 4),
+    (32, 128, 64, 4, 4), (64, 64, 128, 4, 3), (64, 128, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 3),
+    (128, 256, 64, 8, 3))]
 
 
 def main(argv: list[str] | None = None) -> int:
