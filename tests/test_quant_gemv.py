@@ -16,17 +16,26 @@ from minirt.quant.formats import dequantize, quantize
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# Relative to the output's largest magnitude: float32 sums stay near 1e-6; bf16 outputs are rounded to 8 bits.
-TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# Relative to the output's largest magnitude: float32 sums stay near 1e-6; bf16 outputs are rounded to 8 bits,
+# float16 ones to 11.
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 # (block_m, block_n, block_k, num_warps) besides the default: tails in N and K, several rows per program.
 CONFIGS = [(1, 1, 64, 1), (2, 4, 32, 2), (8, 2, 16, 1), (4, 8, 128, 4)]
 
 
 def check_quant_gemv(m, k, n, method, block_size, with_bias, dtype, device, config=None, seed=0, lead=None):
-    """Fresh random weights quantized by `formats.quantize`, fresh x; quant_gemv's output must match the float64
-    product of x with the dequantized weight in shape, dtype and values."""
+    """`check_quant_product` for quant_gemv, with block sizes `config` (None: its choice)."""
     from minirt.kernels.quant_gemv_triton import QuantGemvConfig, quant_gemv
 
+    cfg = QuantGemvConfig(*config) if config else None
+    check_quant_product(lambda *args: quant_gemv(*args, config=cfg), m, k, n, method, block_size, with_bias, dtype,
+                        device, seed, lead)
+
+
+def check_quant_product(product, m, k, n, method, block_size, with_bias, dtype, device, seed=0, lead=None):
+    """Fresh random weights quantized by `formats.quantize`, fresh x; `product(x, q, scale, block_size, bias)` (a
+    kernel with quant_gemv's contract) must match the float64 product of x with the dequantized weight in shape,
+    dtype and values."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) / k ** 0.5
     w[:, 0] *= 8                                        # an outlier channel, so scales differ across blocks
@@ -36,8 +45,7 @@ def check_quant_gemv(m, k, n, method, block_size, with_bias, dtype, device, conf
     ref = x.double() @ dequantize(q, scale, block_size).double().T
     if b is not None:
         ref = ref + b.double()
-    out = quant_gemv(x.to(device), q.to(device), scale.to(device), block_size,
-                     None if b is None else b.to(device), config=QuantGemvConfig(*config) if config else None)
+    out = product(x.to(device), q.to(device), scale.to(device), block_size, None if b is None else b.to(device))
     assert out.shape == ref.shape and out.dtype == dtype and out.device.type == torch.device(device).type
     size = ref.abs().max().item()
     err = (out.double().cpu() - ref).abs().max().item()      # NaN (an unwritten output) fails the comparison
@@ -91,16 +99,21 @@ def test_quant_gemv_configs_cuda(config):
 @pytest.mark.skipif(not CUDA, reason="needs CUDA (Triton kernel)")
 @pytest.mark.parametrize("block_size", [None, 128], ids=["channel", "block128"])
 def test_quant_gemv_in_cuda_graph(block_size):
-    """Captured once, replayed on new x: no host syncs or data-dependent allocations in the call."""
     from minirt.kernels.quant_gemv_triton import quant_gemv
 
+    check_in_cuda_graph(quant_gemv, 2, block_size)
+
+
+def check_in_cuda_graph(product, m, block_size):
+    """`product(x, q, scale, block_size)` (quant_gemv's contract) captured once with m rows of x, replayed on new x:
+    no host syncs or data-dependent allocations in the call."""
     q, scale = quantize(torch.randn(1024, 3072, device="cuda") / 3072 ** 0.5, "fp8", block_size)
-    x = torch.randn(2, 3072, device="cuda", dtype=torch.bfloat16)
-    quant_gemv(x, q, scale, block_size)                   # compile outside the capture
+    x = torch.randn(m, 3072, device="cuda", dtype=torch.bfloat16)
+    product(x, q, scale, block_size)                      # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = quant_gemv(x, q, scale, block_size)
+        out = product(x, q, scale, block_size)
     for _ in range(3):
         x.copy_(torch.randn_like(x))
         graph.replay()
@@ -113,32 +126,40 @@ def test_quant_gemv_argument_errors():
     pytest.importorskip("triton")
     from minirt.kernels.quant_gemv_triton import quant_gemv
 
+    check_quant_argument_errors(quant_gemv)
     q, scale = quantize(torch.randn(8, 16), "int8")
-    qb, scale_b = quantize(torch.randn(8, 16), "fp8", 4)
     x = torch.randn(1, 16)
-    with pytest.raises(ValueError, match=r"^q: must be \[N, 12\]"):
-        quant_gemv(torch.randn(1, 12), q, scale)
-    with pytest.raises(ValueError, match=r"^q: must be int8 or float8_e4m3fn, got torch.float32"):
-        quant_gemv(x, q.float(), scale)
-    with pytest.raises(ValueError, match=r"^q: must be contiguous"):
-        quant_gemv(torch.randn(1, 8), q.t(), scale)
-    with pytest.raises(ValueError, match=r"^scale: must be a contiguous float32 \(8,\)"):
-        quant_gemv(x, q, scale[:4])
-    with pytest.raises(ValueError, match=r"^scale: must be a contiguous float32 \(2, 4\) .* block_size=4"):
-        quant_gemv(x, qb, scale, 4)
-    with pytest.raises(ValueError, match=r"^scale: must be a contiguous float32 \(8,\)"):
-        quant_gemv(x, q, scale.double())
-    with pytest.raises(ValueError, match=r"^block_size: must be an integer >= 1 or None, got 0"):
-        quant_gemv(x, qb, scale_b, 0)
-    with pytest.raises(ValueError, match=r"^bias: must be a contiguous \[8\] in torch.float32"):
-        quant_gemv(x, q, scale, None, torch.randn(7))
-    with pytest.raises(ValueError, match=r"^bias: must be a contiguous \[8\] in torch.float32"):
-        quant_gemv(x, q, scale, None, torch.randn(8, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match=r"^q: silu_and_mul needs gate and up rows, an even count, got 7"):
         quant_gemv(x, *quantize(torch.randn(7, 16), "int8"), silu_and_mul=True)
     with pytest.raises(ValueError, match=r"^pdl: programmatic dependent launch needs a CUDA device"):
         quant_gemv(x, q, scale, pdl=True)
-    assert quant_gemv(torch.randn(0, 16), q, scale).shape == (0, 8)      # no rows: no kernel
+
+
+def check_quant_argument_errors(product):
+    """`product(x, q, scale, block_size, bias)` (a kernel with quant_gemv's contract, `check_quant_args`) names each
+    bad argument."""
+    q, scale = quantize(torch.randn(8, 16), "int8")
+    qb, scale_b = quantize(torch.randn(8, 16), "fp8", 4)
+    x = torch.randn(1, 16)
+    with pytest.raises(ValueError, match=r"^q: must be \[N, 12\]"):
+        product(torch.randn(1, 12), q, scale)
+    with pytest.raises(ValueError, match=r"^q: must be int8 or float8_e4m3fn, got torch.float32"):
+        product(x, q.float(), scale)
+    with pytest.raises(ValueError, match=r"^q: must be contiguous"):
+        product(torch.randn(1, 8), q.t(), scale)
+    with pytest.raises(ValueError, match=r"^scale: must be a contiguous float32 \(8,\)"):
+        product(x, q, scale[:4])
+    with pytest.raises(ValueError, match=r"^scale: must be a contiguous float32 \(2, 4\) .* block_size=4"):
+        product(x, qb, scale, 4)
+    with pytest.raises(ValueError, match=r"^scale: must be a contiguous float32 \(8,\)"):
+        product(x, q, scale.double())
+    with pytest.raises(ValueError, match=r"^block_size: must be an integer >= 1 or None, got 0"):
+        product(x, qb, scale_b, 0)
+    with pytest.raises(ValueError, match=r"^bias: must be a contiguous \[8\] in torch.float32"):
+        product(x, q, scale, None, torch.randn(7))
+    with pytest.raises(ValueError, match=r"^bias: must be a contiguous \[8\] in torch.float32"):
+        product(x, q, scale, None, torch.randn(8, dtype=torch.bfloat16))
+    assert product(torch.randn(0, 16), q, scale).shape == (0, 8)      # no rows: no kernel
 
 
 def check_silu_and_mul(m, k, i, method, block_size, dtype, device, config=None, seed=0, pdl=False):

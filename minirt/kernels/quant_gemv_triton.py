@@ -144,23 +144,11 @@ def _stretch(block_k: int, block_size: int | None) -> int:
     return block_k if block_size is None else min(block_k, block_size & -block_size)
 
 
-def quant_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size: int | None = None,
-               bias: torch.Tensor | None = None, *, silu_and_mul: bool = False, pdl: bool = False,
-               config: QuantGemvConfig | None = None) -> torch.Tensor:
-    """`x.float() @ dequantize(q, scale, block_size).T (+ bias)`, cast to x.dtype, for few rows of x.
-
-    x `[..., K]` (float32, bfloat16 or float16), q `[N, K]` int8 or float8_e4m3fn, contiguous; scale float32,
-    contiguous, `[N]` (block_size None: per output channel) or `[ceil(N/B), ceil(K/B)]` (block_size B: per B x B
-    block, edge blocks partial), as `minirt.quant.formats.quantize` returns them; bias `[N]` in x's dtype or None.
-    Returns `[..., N]` in x.dtype, accumulated in float32. Meant for the few rows of a decode step (up to MAX_ROWS;
-    it takes any number, loading the weights once per MAX_ROWS rows).
-    silu_and_mul: q is a merged gate/up projection `[2 * I, K]` (gate rows, then up rows; bias `[2 * I]`) and the
-    result is `silu(gate) * up` `[..., I]`, in the epilogue, gate and up rounded to x.dtype first (as
-    `linear_gemv(silu_and_mul=True)`). pdl: launch with programmatic dependent launch (Hopper and later): the
-    weight loads start before the wait for the kernel before (`linear_gemv`'s pdl). config: block sizes (None:
-    `choose_config`).
-    No host syncs: safe inside a CUDA graph capture. Raises ValueError naming the argument for shapes, strides,
-    dtypes or devices that do not fit."""
+def check_quant_args(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size: int | None,
+                     bias: torch.Tensor | None) -> tuple[int, int]:
+    """The arguments of `quant_gemv` and `quant_gemm` (`minirt.kernels.quant_gemm_triton`), checked before any
+    kernel runs: returns q's `(N, K)`. Raises ValueError naming the argument whose shape, stride, dtype or device
+    does not fit (see `quant_gemv`)."""
     if x.dim() == 0:
         raise ValueError("x: must have a last dim of features, got a scalar")
     if q.dim() != 2 or q.shape[1] != x.shape[-1]:
@@ -181,6 +169,33 @@ def quant_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size
     for name, t in (("q", q), ("scale", scale), ("bias", bias)):
         if t is not None and t.device != x.device:
             raise ValueError(f"{name}: must be on {x.device} like x, got {t.device}")
+    return n, k
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """x `[..., K]` as the `[M, K]` rows the kernels read, contiguous along K (a copy only where it is not)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def quant_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size: int | None = None,
+               bias: torch.Tensor | None = None, *, silu_and_mul: bool = False, pdl: bool = False,
+               config: QuantGemvConfig | None = None) -> torch.Tensor:
+    """`x.float() @ dequantize(q, scale, block_size).T (+ bias)`, cast to x.dtype, for few rows of x.
+
+    x `[..., K]` (float32, bfloat16 or float16), q `[N, K]` int8 or float8_e4m3fn, contiguous; scale float32,
+    contiguous, `[N]` (block_size None: per output channel) or `[ceil(N/B), ceil(K/B)]` (block_size B: per B x B
+    block, edge blocks partial), as `minirt.quant.formats.quantize` returns them; bias `[N]` in x's dtype or None.
+    Returns `[..., N]` in x.dtype, accumulated in float32. Meant for the few rows of a decode step (up to MAX_ROWS;
+    it takes any number, loading the weights once per MAX_ROWS rows).
+    silu_and_mul: q is a merged gate/up projection `[2 * I, K]` (gate rows, then up rows; bias `[2 * I]`) and the
+    result is `silu(gate) * up` `[..., I]`, in the epilogue, gate and up rounded to x.dtype first (as
+    `linear_gemv(silu_and_mul=True)`). pdl: launch with programmatic dependent launch (Hopper and later): the
+    weight loads start before the wait for the kernel before (`linear_gemv`'s pdl). config: block sizes (None:
+    `choose_config`).
+    No host syncs: safe inside a CUDA graph capture. Raises ValueError naming the argument for shapes, strides,
+    dtypes or devices that do not fit."""
+    n, k = check_quant_args(x, q, scale, block_size, bias)
     if silu_and_mul:
         if n % 2:
             raise ValueError(f"q: silu_and_mul needs gate and up rows, an even count, got {n}")
@@ -191,9 +206,7 @@ def quant_gemv(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size
         if missing := pdl_missing(x.device):
             raise ValueError(f"pdl: programmatic dependent launch needs {' and '.join(missing)}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = rows_of(x)
     m = x2.shape[0]
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
