@@ -411,8 +411,8 @@ def test_per_channel_one_token_steps_take_the_float_gemv_with_its_norm_prologue(
 @pytest.mark.parametrize("method,block_size", [("int8", None), ("fp8", 16)])
 def test_one_token_forward_through_quant_gemv_keeps_the_quantized_logits(tiny_model_path, method, block_size):
     """The Triton kernel itself in the model (merged q/k/v, gate/up with SiLU-and-multiply in its epilogue, o and
-    down; the float LM head through F.linear): a one-token forward of three sequences gives the reference quantized
-    model's logits (float32)."""
+    down; the float LM head through F.linear): a one-token forward gives the reference quantized model's logits
+    (float32), and a nine-token one through quant_gemm too."""
     import minirt
     from conftest import TRITON_DEVICE, random_prompts
     from minirt.fast import Plan
@@ -422,11 +422,15 @@ def test_one_token_forward_through_quant_gemv_keeps_the_quantized_logits(tiny_mo
     from minirt.quant.model import quantize_model
     from test_model import _minirt_logits
 
+    from minirt.kernels.quant_gemm_triton import quant_gemm
+
     model, _ = minirt.load_model(tiny_model_path, device=TRITON_DEVICE, dtype=torch.float32)
     quantize_model(model, method, block_size)
-    ids = torch.tensor(random_prompts(3, [1]))
-    want = _minirt_logits(model, ids)
+    ids, ids9 = torch.tensor(random_prompts(3, [1])), torch.tensor(random_prompts(3, [9]))
+    want, want9 = _minirt_logits(model, ids), _minirt_logits(model, ids9)
     speed_up_model(model, Plan(merge_projections=True, quant_gemv=True, quantization=method,
-                               weight_block_size=block_size), ModelKernels(quant_gemv=quant_gemv))
+                               weight_block_size=block_size), ModelKernels(quant_gemv=quant_gemv, quant_gemm=quant_gemm))
     got = _minirt_logits(model, ids)
     torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4)
+    got9 = _minirt_logits(model, ids9)                  # 9 rows: past MAX_ROWS, through quant_gemm
+    torch.testing.assert_close(got9, want9, atol=1e-4 * max(1.0, want9.abs().max().item()), rtol=1e-4)

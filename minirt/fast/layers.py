@@ -128,14 +128,14 @@ class CachedRotaryEmbedding(RotaryEmbedding):
 
 def _with_gemv(linear: nn.Module, kernels: ModelKernels) -> nn.Module:
     """The plan's module for one projection: a float `nn.Linear` through `GemvLinear` (kernels.gemv), a
-    `QuantizedLinear` through `FastQuantizedLinear` (kernels.quant_gemv; with per-channel scales and kernels.gemv,
-    a `QuantizedGemvLinear` whose one-row steps take kernels.gemv); as it is where that kernel is None."""
+    `QuantizedLinear` through `FastQuantizedLinear` (kernels.quant_gemv and quant_gemm; with per-channel scales and
+    kernels.gemv, a `QuantizedGemvLinear` whose one-row steps take kernels.gemv); as it is where a kernel is None."""
     if isinstance(linear, QuantizedLinear):
         if kernels.quant_gemv is None:
             return linear
         from minirt.fast.quant_layers import fast_quantized
 
-        return fast_quantized(linear, kernels.quant_gemv, kernels.gemv)
+        return fast_quantized(linear, kernels.quant_gemv, kernels.gemv, kernels.quant_gemm)
     return linear if kernels.gemv is None else GemvLinear(linear, kernels.gemv)
 
 

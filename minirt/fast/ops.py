@@ -99,7 +99,8 @@ class ModelKernels:
     (`minirt.kernels.gemv_triton.l2_prefetch_table`), used where the plan asks for the L2 prefetch.
     silu_and_mul: `minirt.model.layers.silu_and_mul`'s contract (gate, up -> silu(gate) * up). quant_gemv: few-row
     products of quantized linears (`minirt.fast.quant_layers.quant_gemv_reference`'s contract), or None (the
-    `QuantizedLinear` layers stay as loaded)."""
+    `QuantizedLinear` layers stay as loaded). quant_gemm: their many-row products (the same contract), or None
+    (`minirt.fast.quant_layers.fast_quantized`'s torch choice)."""
 
     gemv: Callable | None = None
     rotate: Callable = norm_and_rotate
@@ -107,6 +108,7 @@ class ModelKernels:
     l2_table: Callable | None = None
     silu_and_mul: Callable = silu_and_mul
     quant_gemv: Callable | None = None
+    quant_gemm: Callable | None = None
 
 
 def model_kernels(plan) -> ModelKernels:
@@ -127,9 +129,10 @@ def model_kernels(plan) -> ModelKernels:
             rotate_and_store = functools.partial(norm_rotate_and_store_triton, pdl=plan.pdl)
     if plan.silu_and_mul_kernel:
         from minirt.kernels.silu_and_mul_triton import silu_and_mul_triton as act
-    quant_gemv = None
+    quant_gemv = quant_gemm = None
     if plan.quant_gemv:
+        from minirt.kernels.quant_gemm_triton import quant_gemm
         from minirt.kernels.quant_gemv_triton import quant_gemv
 
         quant_gemv = functools.partial(quant_gemv, pdl=True) if plan.pdl else quant_gemv
-    return ModelKernels(gemv, rotate, rotate_and_store, l2_table, act, quant_gemv)
+    return ModelKernels(gemv, rotate, rotate_and_store, l2_table, act, quant_gemv, quant_gemm)

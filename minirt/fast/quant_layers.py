@@ -10,7 +10,10 @@ The reference `QuantizedLinear.forward` dequantizes its whole weight into the ac
   weights) and reads 1 byte per weight instead of 2;
 * few rows (decode steps of up to `MAX_ROWS` sequences, and one row with block scales): `quant_gemv`, the Triton
   GEMV that dequantizes in registers (`minirt.kernels.quant_gemv_triton`);
-* more rows (prefill chunks, large decode batches), FP8 weights with per-channel scales on a GPU with FP8 tensor
+* more rows (prefill chunks, large decode batches), where the plan has its kernels: `quant_gemm`, the Triton GEMM
+  that converts each weight tile in registers and multiplies on the tensor cores (`minirt.kernels.quant_gemm_triton`,
+  Marlin's W8A16 scheme), again one byte per weight read;
+* more rows without those kernels, FP8 weights with per-channel scales on a GPU with FP8 tensor
   cores (compute capability 8.9 or later): `scaled_mm_linear`, the activations quantized to FP8 per token (one
   dynamic scale per row, `amax / 448`) and one `torch._scaled_mm` with both scales in its epilogue (vLLM's
   `Fp8LinearMethod` with dynamic per-token activation scales); its result differs from the contract by the
@@ -161,14 +164,17 @@ class QuantizedGemvLinear(GemvLinear):
         return self.rows.silu_and_mul(x, act)
 
 
-def fast_quantized(layer: QuantizedLinear, gemv: Callable | None = None,
-                   row_gemv: Callable | None = None) -> FastQuantizedLinear | QuantizedGemvLinear:
+def fast_quantized(layer: QuantizedLinear, gemv: Callable | None = None, row_gemv: Callable | None = None,
+                   gemm: Callable | None = None) -> FastQuantizedLinear | QuantizedGemvLinear:
     """The plan's fast module for `layer`: `gemv` for few rows (None: the Triton `quant_gemv`), and for more rows
-    `scaled_mm_linear` where it can run (`scaled_mm_missing`), else `dequantize_linear`; with `row_gemv` (the float
-    model's one-row kernel) and per-channel scales, wrapped in a `QuantizedGemvLinear` whose one-row steps take it."""
+    `gemm` (`quant_gemv`'s contract: the Triton `quant_gemm`), else `scaled_mm_linear` where it can run
+    (`scaled_mm_missing`), else `dequantize_linear`; with `row_gemv` (the float model's one-row kernel) and
+    per-channel scales, wrapped in a `QuantizedGemvLinear` whose one-row steps take it."""
     if gemv is None:
         from minirt.kernels.quant_gemv_triton import quant_gemv as gemv
-    fast = FastQuantizedLinear(layer, gemv, dequantize_linear if scaled_mm_missing(layer) else scaled_mm_linear)
+    if gemm is None:
+        gemm = dequantize_linear if scaled_mm_missing(layer) else scaled_mm_linear
+    fast = FastQuantizedLinear(layer, gemv, gemm)
     return fast if row_gemv is None or layer.block_size is not None else QuantizedGemvLinear(row_gemv, fast)
 
 
