@@ -158,3 +158,19 @@ def test_ttft_and_tpot_are_defined_where_they_are_first_printed(default_model, c
     assert lines.index(LEGEND) < first
     assert "TTFT = time to first token" in LEGEND and "TPOT = time per output token" in LEGEND
     assert "TTFT" not in (err if command is DEMO else out)        # nothing shows them on the other stream
+
+
+def test_the_cli_parses_its_other_commands_without_the_serve_extra(monkeypatch, capsys):
+    """`python -m minirt bench` (or generate, demo) on a machine without uvicorn/starlette: the serve command's
+    limit flags are left out, the other commands parse as ever, and serve says what it needs."""
+    import argparse
+
+    from minirt import cli
+    from minirt.serve import server
+
+    monkeypatch.setitem(sys.modules, "minirt.serve.limits", None)      # its import fails, as without the extra
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--help"])
+    assert e.value.code == 0 and "--quantization" in capsys.readouterr().out
+    assert server.run(argparse.Namespace(command="serve")) == 2
+    assert "serve needs the serve extra: pip install 'minirt[serve]'" in capsys.readouterr().err

@@ -70,8 +70,14 @@ def engine_settings(args) -> dict:
 
 
 def add_limit_flags(p: argparse.ArgumentParser) -> None:
-    """One flag per `minirt.serve.limits.ServerLimits` field."""
-    from minirt.serve.limits import MAX_CONNECTIONS, RESERVED_FDS, ServerLimits
+    """One flag per `minirt.serve.limits.ServerLimits` field; none without the serve extra (its module imports
+    uvicorn and starlette), so that the other commands of `python -m minirt` still parse (`run` then says what is
+    missing)."""
+    try:
+        from minirt.serve.limits import MAX_CONNECTIONS, RESERVED_FDS, ServerLimits
+    except ImportError as e:
+        p.add_argument_group(f"connection limits: need the serve extra (pip install 'minirt[serve]'; {e})")
+        return
 
     d = ServerLimits(max_connections=1)
     g = p.add_argument_group("connection limits (minirt.serve.limits.ServerLimits; refusals in OpenAI's error shape)")
@@ -207,7 +213,13 @@ class BackgroundServer:
 
 
 def run(args) -> int:
-    """`python -m minirt serve`: 0 after a clean shutdown, 1 if the model cannot be loaded, 2 on bad settings."""
+    """`python -m minirt serve`: 0 after a clean shutdown, 1 if the model cannot be loaded, 2 on bad settings or
+    without the serve extra."""
+    try:
+        import minirt.serve.limits  # noqa: F401  (uvicorn, starlette: the serve extra)
+    except ImportError as e:
+        print(f"error: serve needs the serve extra: pip install 'minirt[serve]' ({e})", file=sys.stderr)
+        return 2
     from minirt.serve.client import EngineClient
     from minirt.serve.core import EngineCoreStartError, start_engine_core
 
