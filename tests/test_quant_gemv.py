@@ -251,22 +251,30 @@ def oracle(layer, x):
 
 @pytest.mark.parametrize("method,block_size", [("int8", None), ("fp8", None), ("fp8", 32), ("int8", 16)])
 def test_fast_quantized_linear_sends_few_rows_to_the_gemv_and_keeps_the_product(method, block_size):
-    """Up to MAX_ROWS rows go to the GEMV (here its torch contract), more to the many-rows product; both give the
-    dequantized product (float32), whatever the leading dims."""
-    from minirt.fast.quant_layers import MAX_ROWS, FastQuantizedLinear, dequantize_linear, quant_gemv_reference
+    """Rows up to GEMV_OUTPUTS // out_features go to the GEMV (here its torch contract), more to the many-rows
+    product; both give the dequantized product (float32), whatever the leading dims. One row always takes the GEMV."""
+    from minirt.fast.quant_layers import GEMV_OUTPUTS, FastQuantizedLinear, dequantize_linear, quant_gemv_reference
 
     layer = quantized_layer(64, 96, method, block_size)
     calls = []
     fast = FastQuantizedLinear(layer, lambda *a: calls.append("gemv") or quant_gemv_reference(*a),
                                lambda *a: calls.append("many") or dequantize_linear(*a))
     assert fast.weight is layer.weight and fast.weight_scale is layer.weight_scale and fast.bias is layer.bias
-    for lead, path in [((1,), "gemv"), ((1, 1), "gemv"), ((3,), "gemv"), ((2, 4), "gemv"), ((MAX_ROWS + 1,), "many"),
-                       ((3, 7), "many")]:
+    most = GEMV_OUTPUTS // 96
+    for lead, path in [((1,), "gemv"), ((1, 1), "gemv"), ((3,), "gemv"), ((2, 4), "gemv"), ((most,), "gemv"),
+                       ((most + 1,), "many"), ((1, most + 1), "many")]:
         calls.clear()
         x = torch.randn(*lead, 64)
         out = fast(x)
         assert calls == [path] and out.shape == (*lead, 96) and out.dtype == x.dtype
         torch.testing.assert_close(out.double(), oracle(layer, x), atol=1e-5, rtol=1e-5)
+    wide = FastQuantizedLinear(quantized_layer(64, GEMV_OUTPUTS + 16, method, block_size),
+                               lambda *a: calls.append("gemv") or quant_gemv_reference(*a),
+                               lambda *a: calls.append("many") or dequantize_linear(*a))
+    for rows, path in ((1, "gemv"), (2, "many")):              # wider than GEMV_OUTPUTS: one row only
+        calls.clear()
+        wide(torch.randn(rows, 64))
+        assert calls == [path]
 
 
 def test_scaled_mm_linear_is_the_product_of_the_fp8_rounded_activations():
@@ -332,7 +340,7 @@ def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_
     standing in for the kernel; a float LM head through the float GEMV's contract): every quantized projection is a
     FastQuantizedLinear (per-channel ones inside a QuantizedGemvLinear), one-token steps of three sequences call
     the GEMV for each (counted), and the logits stay the reference quantized model's (float32), for one token and
-    for nine."""
+    for 45."""
     import minirt
     from minirt.fast import Plan
     from minirt.fast.layers import GemvLinear, speed_up_model
@@ -344,7 +352,7 @@ def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_
 
     model, _ = minirt.load_model(tiny_model_path, device="cpu", dtype=torch.float32)
     quantize_model(model, method, block_size)
-    ids1, ids9 = torch.tensor(random_prompts(3, [1, 1, 1])), torch.tensor(random_prompts(3, [9]))
+    ids1, ids9 = torch.tensor(random_prompts(3, [1, 1, 1])), torch.tensor(random_prompts(3, [45, 45, 45]))
     want1, want9 = _minirt_logits(model, ids1), _minirt_logits(model, ids9)
     calls = []
     kernels = ModelKernels(gemv=gemv_reference, quant_gemv=lambda *a, **kw: calls.append((a[1].shape, kw))
@@ -363,7 +371,7 @@ def test_speed_up_model_swaps_quantized_linears_and_keeps_the_logits(tiny_model_
     assert sum(kw == {"silu_and_mul": True} for _, kw in calls) == model.config.num_hidden_layers   # gate/up's
     torch.testing.assert_close(got1, want1, atol=1e-4 * max(1.0, want1.abs().max().item()), rtol=1e-4)
     calls.clear()
-    got9 = _minirt_logits(model, ids9)                  # 9 rows: past MAX_ROWS, the many-rows product
+    got9 = _minirt_logits(model, ids9)          # 135 rows: past GEMV_OUTPUTS // 64 (o, down), the many-rows product
     torch.testing.assert_close(got9, want9, atol=1e-4 * max(1.0, want9.abs().max().item()), rtol=1e-4)
     assert not calls
 
@@ -412,7 +420,7 @@ def test_per_channel_one_token_steps_take_the_float_gemv_with_its_norm_prologue(
 def test_one_token_forward_through_quant_gemv_keeps_the_quantized_logits(tiny_model_path, method, block_size):
     """The Triton kernel itself in the model (merged q/k/v, gate/up with SiLU-and-multiply in its epilogue, o and
     down; the float LM head through F.linear): a one-token forward gives the reference quantized model's logits
-    (float32), and a nine-token one through quant_gemm too."""
+    (float32), and 45-token ones through quant_gemm too."""
     import minirt
     from conftest import TRITON_DEVICE, random_prompts
     from minirt.fast import Plan
@@ -426,11 +434,11 @@ def test_one_token_forward_through_quant_gemv_keeps_the_quantized_logits(tiny_mo
 
     model, _ = minirt.load_model(tiny_model_path, device=TRITON_DEVICE, dtype=torch.float32)
     quantize_model(model, method, block_size)
-    ids, ids9 = torch.tensor(random_prompts(3, [1])), torch.tensor(random_prompts(3, [9]))
+    ids, ids9 = torch.tensor(random_prompts(3, [1])), torch.tensor(random_prompts(3, [45, 45, 45]))
     want, want9 = _minirt_logits(model, ids), _minirt_logits(model, ids9)
     speed_up_model(model, Plan(merge_projections=True, quant_gemv=True, quantization=method,
                                weight_block_size=block_size), ModelKernels(quant_gemv=quant_gemv, quant_gemm=quant_gemm))
     got = _minirt_logits(model, ids)
     torch.testing.assert_close(got, want, atol=1e-4 * max(1.0, want.abs().max().item()), rtol=1e-4)
-    got9 = _minirt_logits(model, ids9)                  # 9 rows: past MAX_ROWS, through quant_gemm
+    got9 = _minirt_logits(model, ids9)          # 135 rows: past GEMV_OUTPUTS // 64, through quant_gemm
     torch.testing.assert_close(got9, want9, atol=1e-4 * max(1.0, want9.abs().max().item()), rtol=1e-4)

@@ -8,8 +8,10 @@ The reference `QuantizedLinear.forward` dequantizes its whole weight into the ac
   (`minirt.kernels.gemv_triton.linear_gemv(weight_scale=...)`), so that the batch-1 step keeps every fusion built
   around that kernel (the norm in its prologue, SiLU-and-multiply in its epilogue, the L2 prefetch of the next
   weights) and reads 1 byte per weight instead of 2;
-* few rows (decode steps of up to `MAX_ROWS` sequences, and one row with block scales): `quant_gemv`, the Triton
-  GEMV that dequantizes in registers (`minirt.kernels.quant_gemv_triton`);
+* few rows (while rows x out_features <= `GEMV_OUTPUTS`, and one row with block scales): `quant_gemv`, the Triton
+  GEMV that dequantizes in registers (`minirt.kernels.quant_gemv_triton`): it multiplies on the vector units, so
+  its time grows with the rows times the outputs, and past that product the GEMM below is faster
+  (`lab/pages/quantized-linears.md`: 2 rows of the 4096-wide q/k/v, 8 of the 1024-wide o and down);
 * more rows (prefill chunks, large decode batches), where the plan has its kernels: `quant_gemm`, the Triton GEMM
   that converts each weight tile in registers and multiplies on the tensor cores (`minirt.kernels.quant_gemm_triton`,
   Marlin's W8A16 scheme), again one byte per weight read;
@@ -37,7 +39,7 @@ from minirt.fast.layers import GemvLinear, one_row
 from minirt.quant.formats import QMAX, dequantize
 from minirt.quant.linear import QuantizedLinear
 
-MAX_ROWS = 8            # rows up to which the GEMV runs (`minirt.kernels.quant_gemv_triton.MAX_ROWS`)
+GEMV_OUTPUTS = 8192     # rows x out_features up to which few rows take the GEMV (one row always does)
 
 
 def quant_gemv_reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block_size: int | None = None,
@@ -106,7 +108,7 @@ def scaled_mm_missing(layer: QuantizedLinear) -> list[str]:
 
 
 class FastQuantizedLinear(nn.Module):
-    """`QuantizedLinear` (the same weight, weight_scale and bias tensors) whose inputs of up to MAX_ROWS rows go to
+    """`QuantizedLinear` (the same weight, weight_scale and bias tensors) whose inputs of few rows (`few_rows`) go to
     `gemv` (`quant_gemv`'s contract: x, q, scale, block_size, bias) and larger ones to `many_rows` (the same
     arguments: `scaled_mm_linear` or `dequantize_linear`). `[..., in_features] -> [..., out_features]`."""
 
@@ -119,15 +121,20 @@ class FastQuantizedLinear(nn.Module):
         self.bias = layer.bias
         self.gemv, self.many_rows = gemv, many_rows
 
+    def few_rows(self, x: torch.Tensor) -> bool:
+        """True where `x` goes to the GEMV: one row, or rows x out_features <= GEMV_OUTPUTS. A shape, not a value:
+        the same branch in every replay of a CUDA graph."""
+        return x.shape[:-1].numel() <= max(1, GEMV_OUTPUTS // self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[:-1].numel() <= MAX_ROWS:          # a shape, not a value: the same branch in every graph replay
+        if self.few_rows(x):
             return self.gemv(x, self.weight, self.weight_scale, self.block_size, self.bias)
         return self.many_rows(x, self.weight, self.weight_scale, self.block_size, self.bias)
 
     def silu_and_mul(self, x: torch.Tensor, act: Callable) -> torch.Tensor:
         """For a merged gate/up projection: `act(gate, up)` of its two halves, `[..., out_features // 2]`; few rows
         take SiLU-and-multiply in the GEMV's epilogue (`gemv(..., silu_and_mul=True)`), more go through `act`."""
-        if x.shape[:-1].numel() <= MAX_ROWS:
+        if self.few_rows(x):
             return self.gemv(x, self.weight, self.weight_scale, self.block_size, self.bias, silu_and_mul=True)
         return act(*self(x).chunk(2, dim=-1))
 

@@ -36,7 +36,7 @@ ROWS, COLS = 8, 1024    # a program's tile per loop step when there are enough r
 TILE_ELEMENTS = 8192    # at most this many products per program and step (BLOCK_M * BLOCK_N * BLOCK_K)
 PROGRAMS_PER_SM = 2     # as linear_gemv: fewer leave multiprocessors idle or too few bytes in flight
 NUM_WARPS = 4
-MAX_ROWS = 8            # the most rows of x `minirt.fast.quant_layers` sends here (more go to a GEMM)
+MAX_ROWS = 8            # the most rows of x a weight tile is loaded for (more rows take more programs)
 
 
 class QuantGemvConfig(NamedTuple):
