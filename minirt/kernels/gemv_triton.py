@@ -58,9 +58,9 @@ def _prefetch_l2(address, size):
 
 @triton.jit
 def _gemv_kernel(X, W, Scale, Bias, Out, Part, Res, NormW, Stream, Prefetch, num_prefetch, Key, N, K, stride_x,
-                 eps, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-                 SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
-                 L2_PREFETCH: tl.constexpr, ARGMAX: tl.constexpr):
+                 eps, SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 SPLIT_K: tl.constexpr, SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+                 PDL: tl.constexpr, L2_PREFETCH: tl.constexpr, ARGMAX: tl.constexpr):
     split = tl.program_id(1)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()             # the next kernel may start (and load its weights)
@@ -111,8 +111,9 @@ def _argmax_finish_kernel(Key, Token, PDL: tl.constexpr):
 
 @triton.jit
 def _gemv_rows(tile, split, X, W, Scale, Bias, Out, Part, Res, NormW, Stream, N, K, stride_x, eps,
-               SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-               SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr):
+               SCALED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               SPLIT_K: tl.constexpr, SILU_AND_MUL: tl.constexpr, NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+               PDL: tl.constexpr):
     """Output rows `tile * BLOCK_N ...` (split `split` of SPLIT_K): `_gemv_kernel`'s work for one program."""
     rows, row_ok, y, up = _gemv_sums(tile, split, X, W, Scale, Res, NormW, Stream, N, K, stride_x, eps, SCALED,
                                      BLOCK_N, BLOCK_K, SPLIT_K, SILU_AND_MUL, NORM, HAS_RESIDUAL, PDL)
@@ -380,7 +381,8 @@ def linear_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     grid = (triton.cdiv(n, cfg.block_n), cfg.split_k)
     launch = {"launch_pdl": True} if pdl else {}
     _gemv_kernel[grid](
-        xv, weight, weight_scale if weight_scale is not None else out, bias if has_bias else out, out if argmax_key is None else x, part,   # argmax: Out only gives
+        xv, weight, weight_scale if weight_scale is not None else out, bias if has_bias else out,
+        out if argmax_key is None else x, part,                                     # argmax: Out only gives
         residual if residual is not None else out, norm_weight if norm_weight is not None else out, stream,  # a dtype
         l2_prefetch if l2_prefetch is not None else out, 0 if l2_prefetch is None else l2_prefetch.shape[0],
         argmax_key if argmax_key is not None else out, n, k, xv.stride(0), eps, SCALED=weight_scale is not None,
